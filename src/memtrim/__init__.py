@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
+from memtrim.capture import track
+from memtrim.trace import Allocation, Site, Trace, TraceFormatError, load
+
 __version__ = "0.1.0"
+
+__all__ = ["Allocation", "Site", "Trace", "TraceFormatError", "load", "track"]

@@ -1,0 +1,3 @@
+from memtrim.cli import main
+
+raise SystemExit(main())

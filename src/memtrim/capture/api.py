@@ -1,0 +1,91 @@
+"""``memtrim.track()``: record a region of a PyTorch program."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from memtrim.capture.recorder import Recorder
+from memtrim.trace.model import Trace
+
+# Trackers open right now (outermost first), so that an inner one resetting CUDA's peak statistic
+# first hands the current peak to the outer ones.
+_open_cuda_watches: list[_CudaPeak] = []
+
+
+class _CudaPeak:
+    """``torch.cuda.max_memory_allocated`` for the region, above the bytes allocated at its start."""
+
+    def __init__(self) -> None:
+        self.devices = (
+            list(range(torch.cuda.device_count()))
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else []
+        )
+        self.start = {d: torch.cuda.memory_allocated(d) for d in self.devices}
+        self.seen_max = dict(self.start)
+
+    def begin(self) -> None:
+        for d in self.devices:
+            for outer in _open_cuda_watches:
+                if d in outer.seen_max:
+                    outer.seen_max[d] = max(outer.seen_max[d], torch.cuda.max_memory_allocated(d))
+            torch.cuda.reset_peak_memory_stats(d)
+        _open_cuda_watches.append(self)
+
+    def end(self) -> dict[str, int]:
+        _open_cuda_watches.remove(self)
+        result = {}
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+            peak = max(self.seen_max[d], torch.cuda.max_memory_allocated(d))
+            result[f"cuda:{d}"] = peak - self.start[d]
+        return result
+
+
+def _saved_tensors_hooks_enabled() -> bool:
+    # False under torch.autograd.graph.disable_saved_tensors_hooks, where registering hooks raises.
+    return bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
+    """Record every storage the code inside the ``with`` block allocates and frees.
+
+    Yields a :class:`~memtrim.trace.Trace` that is complete when the block exits — also when it exits
+    by an exception (an out-of-memory error, say): the trace then holds everything up to the failure,
+    ``trace.error`` names it, and what was alive at that point is the live set at the end.
+
+    ``fake=True`` runs the block under ``FakeTensorMode``: tensors have shapes, dtypes and devices but
+    no data, so a full-size program is measured on a CPU without allocating it. Tensors created before
+    the block are turned into fake ones when used. Code that reads values (``.item()``, printing,
+    data-dependent shapes) cannot run fake.
+
+    ``saved_hooks=False`` skips the saved-tensor hooks that mark what autograd saves for backward
+    (use it if your code disables saved-tensor hooks); allocations then get ``saved`` only by lifetime.
+    """
+    trace = Trace(fake=fake)
+    recorder = Recorder(trace)
+    cuda = _CudaPeak()
+    with contextlib.ExitStack() as stack:
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        cuda.begin()
+        stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
+        stack.enter_context(recorder)
+        recorder.modules.install()
+        stack.callback(recorder.modules.remove)
+        if saved_hooks and _saved_tensors_hooks_enabled():
+            stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack_saved, recorder.unpack_saved)
+            )
+        stack.callback(recorder.finish)
+        try:
+            yield trace
+        except BaseException as exc:
+            trace.error = f"{type(exc).__name__}: {exc}"
+            raise

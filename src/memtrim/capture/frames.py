@@ -1,0 +1,81 @@
+"""Which source line in the user's code is running: a stack walk that skips torch and memtrim.
+
+Every code object is classified once and cached, so the per-op cost is one dict lookup per frame
+between the op and the first user frame.
+"""
+
+from __future__ import annotations
+
+import os
+from types import CodeType, FrameType
+
+import torch
+import torch.autograd.graph
+
+from memtrim.trace.model import Site
+
+USER, INTERNAL, ENGINE, OPTIMIZER = 0, 1, 2, 3
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+_MEMTRIM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# memtrim's own example systems are user code: their lines are what a report should point at.
+_USER_INSIDE_MEMTRIM = (os.path.join(_MEMTRIM_DIR, "cases") + os.sep,)
+_STDLIB_HELPERS = ("contextlib.py", "functools.py", "threading.py")
+
+# Frames of torch.autograd's entry points: an op whose nearest non-torch frames are these was run for
+# backward (by the engine for a built-in node, or to seed the output gradients), not by user code.
+_ENGINE_CODES: frozenset[CodeType] = frozenset(
+    {
+        torch.autograd.graph._engine_run_backward.__code__,
+        torch.autograd.backward.__code__,
+        torch.autograd.grad.__code__,
+    }
+)
+
+_kinds: dict[CodeType, int] = {}
+_sites: dict[tuple[CodeType, int], Site] = {}
+
+
+def _classify(code: CodeType) -> int:
+    if code in _ENGINE_CODES:
+        return ENGINE
+    name = code.co_filename
+    if name.startswith(_OPTIM_DIR):
+        return OPTIMIZER
+    if name.startswith(_TORCH_DIR) or name.startswith("<frozen"):
+        return INTERNAL
+    if name.startswith(_MEMTRIM_DIR) and not name.startswith(_USER_INSIDE_MEMTRIM):
+        return INTERNAL
+    if os.path.basename(name) in _STDLIB_HELPERS and "site-packages" not in name:
+        return INTERNAL
+    return USER
+
+
+def _site(code: CodeType, line: int) -> Site:
+    key = (code, line)
+    site = _sites.get(key)
+    if site is None:
+        site = _sites[key] = Site(code.co_filename, line, code.co_name)
+    return site
+
+
+def user_site(frame: FrameType | None) -> tuple[Site | None, int]:
+    """The innermost user frame above ``frame`` and what stood between: INTERNAL, ENGINE or OPTIMIZER.
+
+    ENGINE means the op was run on behalf of ``loss.backward()``/``autograd.grad``: the user frame
+    returned is then that call, not the code that made the op.
+    """
+    seen = INTERNAL
+    kinds = _kinds
+    while frame is not None:
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is None:
+            kind = kinds[code] = _classify(code)
+        if kind == USER:
+            return _site(code, frame.f_lineno), seen
+        if kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
+            seen = kind
+        frame = frame.f_back
+    return None, seen

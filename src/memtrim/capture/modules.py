@@ -1,0 +1,58 @@
+"""The nn.Module path of the code that is running (``GPT2.blocks.3.attn``), via global module hooks."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+
+class ModulePath:
+    """A per-thread stack of (module, dotted path) maintained by global forward hooks while installed."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._handles: list[RemovableHandle] = []
+
+    def _stack(self) -> list[tuple[torch.nn.Module, str]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current(self) -> str | None:
+        stack = getattr(self._local, "stack", None)
+        return stack[-1][1] if stack else None
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        stack = self._stack()
+        if not stack:
+            path = type(module).__name__
+        else:
+            parent, parent_path = stack[-1]
+            child = next((n for n, m in parent._modules.items() if m is module), None)
+            path = f"{parent_path}.{child if child is not None else type(module).__name__}"
+        stack.append((module, path))
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        # Pop down to this module: a hook that raised may have skipped a child's exit.
+        while stack:
+            top, _ = stack.pop()
+            if top is module:
+                break
+
+    def install(self) -> None:
+        modules = torch.nn.modules.module
+        self._handles = [
+            modules.register_module_forward_pre_hook(self._enter),
+            modules.register_module_forward_hook(self._exit, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._local = threading.local()

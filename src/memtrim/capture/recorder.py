@@ -1,0 +1,312 @@
+"""The dispatch-mode recorder: every aten op, every new storage, every free, with phase and source.
+
+Accounting is at the storage level. An output whose storage is already known (an input's, a view, an
+in-place result) allocates nothing; a storage seen for the first time as an *output* is new. A storage
+seen for the first time as an *input* existed before the region: it is watched only so that its free
+inside the region lowers the live bytes, as the allocator would. Frees are observed through weak
+references to the storage's Python object, which PyTorch keeps alive exactly as long as the C++
+storage (PyObject preservation), so the callback fires when the memory is returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memtrim.capture.frames import ENGINE, OPTIMIZER, user_site
+from memtrim.capture.modules import ModulePath
+from memtrim.trace.model import Allocation, OpCall, Site, Trace
+
+_current_autograd_node = torch._C._current_autograd_node
+_is_grad_enabled = torch.is_grad_enabled
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """A node's metadata dict (a property at runtime; torch's stubs call it a method)."""
+    metadata: dict[str, Any] = node.metadata
+    return metadata
+
+
+# Key under which a forward op's site is stamped on the autograd node it created, so the backward
+# ops that node runs can be attributed to the forward line.
+NODE_STAMP = "memtrim.site"
+
+
+class _StorageWatch(weakref.ref):
+    __slots__ = ("allocation", "key")
+    allocation: Allocation
+    key: int
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's arguments or results (flat, or in one level of list/tuple)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                yield from _tensors(item)
+
+
+class _OpInfo:
+    """What the recorder needs to know about an op overload, computed once per overload."""
+
+    __slots__ = ("name", "written_args", "written_kwargs")
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        self.written_args: list[int] = []
+        self.written_kwargs: list[str] = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                if arg.kwarg_only:
+                    self.written_kwargs.append(arg.name)
+                else:
+                    self.written_args.append(i)
+
+
+class Recorder(TorchDispatchMode):
+    """Records into ``trace``; see :func:`memtrim.track` for the public entry point."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in a dynamo-disabling shim by default; it costs ~1 us per op
+        # and only matters when the mode is used inside a torch.compile'd function.
+        return False
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+        self.modules = ModulePath()
+        self._clock = itertools.count()
+        self._watches: dict[int, _StorageWatch] = {}
+        self._pending: list[tuple[weakref.ref[torch.Tensor], Site | None, str | None]] = []
+        self._infos: dict[Any, _OpInfo] = {}
+        self._last_phase = "other"
+        self._quiet = 0
+        self._open = True
+
+    # -- ops ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self._quiet or not self._open:
+            return func(*args, **kwargs)
+        if self._pending:
+            self._stamp_nodes()
+        info = self._infos.get(func)
+        if info is None:
+            info = self._infos[func] = _OpInfo(func)
+
+        call_site, between = user_site(sys._getframe(1))
+        node = _current_autograd_node()
+        wants_grad = self._watch_inputs(args, kwargs) or _is_grad_enabled()
+        site, module = call_site, self.modules.current()
+        node_name = None
+        if node is not None or between == ENGINE:
+            phase = "backward"
+            if node is not None:
+                node_name = node.name()
+                # An op the engine ran for a built-in node has no user frame of its own: point at the
+                # forward line that made the node. Code inside a custom backward keeps its own line.
+                if between == ENGINE or call_site is None:
+                    site, module = _metadata(node).get(NODE_STAMP, (call_site, module))
+        elif between == OPTIMIZER:
+            phase = "other"
+        else:
+            phase = "forward" if wants_grad else "other"
+        self._last_phase = phase
+
+        ops = self.trace.ops
+        op = OpCall(len(ops), next(self._clock), info.name, phase, site, node_name, module)
+        ops.append(op)
+        written = None
+        if info.written_args or info.written_kwargs:
+            written = self._written_sizes(info, args, kwargs)
+
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:
+            self.trace.failed_op = op
+            raise
+
+        if written:
+            self._record_resizes(written, op, call_site)
+        stamp = phase == "forward" and wants_grad
+        for t in _tensors(out):
+            self._record_output(t, op, call_site)
+            if stamp and (t.is_floating_point() or t.is_complex()):
+                self._pending.append((weakref.ref(t), site, module))
+        return out
+
+    def _watch_inputs(self, args: Any, kwargs: Any) -> bool:
+        """Start watching input storages not seen before; True if any input requires grad."""
+        wants_grad = False
+        watches = self._watches
+        for t in _tensors(args) if not kwargs else _tensors([args, list(kwargs.values())]):
+            if t.requires_grad:
+                wants_grad = True
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # sparse/nested/opaque tensors have no single storage to account
+            if storage._cdata not in watches:
+                self._watch_preexisting(t, storage)
+        return wants_grad
+
+    def _record_output(self, t: torch.Tensor, op: OpCall, call_site: Site | None) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse/nested/opaque tensors have no single storage to account
+        if storage._cdata in self._watches:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        self._start_watch(storage, self._new_allocation(t, nbytes, op, call_site))
+
+    def _new_allocation(self, t: torch.Tensor, nbytes: int, op: OpCall, call_site: Site | None) -> Allocation:
+        alloc = Allocation(
+            id=len(self.trace.allocations),
+            bytes=nbytes,
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=tuple(t.shape),
+            device=str(t.device),
+            op=op.op,
+            phase=op.phase,
+            alloc_tick=next(self._clock),
+            site=op.site,
+            call_site=call_site if call_site is not op.site else None,
+            node=op.node,
+            module=op.module,
+        )
+        self.trace.allocations.append(alloc)
+        return alloc
+
+    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
+        alloc = Allocation(
+            id=len(self.trace.allocations),
+            bytes=storage.nbytes(),
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=tuple(t.shape),
+            device=str(t.device),
+            op="(before the region)",
+            phase="other",
+            alloc_tick=-1,
+            preexisting=True,
+        )
+        self.trace.allocations.append(alloc)
+        self._start_watch(storage, alloc)
+
+    def _start_watch(self, storage: Any, alloc: Allocation) -> None:
+        watch = _StorageWatch(storage, self._on_free)
+        watch.allocation = alloc
+        watch.key = storage._cdata
+        self._watches[watch.key] = watch
+
+    def _on_free(self, watch: _StorageWatch) -> None:
+        if not self._open:
+            return
+        alloc = watch.allocation
+        alloc.free_tick = next(self._clock)
+        alloc.free_phase = self._last_phase
+        if self._watches.get(watch.key) is watch:
+            del self._watches[watch.key]
+
+    # -- resize_ and out= -------------------------------------------------------------------------
+    def _written_sizes(self, info: _OpInfo, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, int]]:
+        written = [args[i] for i in info.written_args if i < len(args)]
+        written += [kwargs[name] for name in info.written_kwargs if name in kwargs]
+        sizes = []
+        for t in written:
+            for tensor in _tensors(t):
+                try:
+                    sizes.append((tensor, tensor.untyped_storage().nbytes()))
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+        return sizes
+
+    def _record_resizes(
+        self, written: list[tuple[torch.Tensor, int]], op: OpCall, call_site: Site | None
+    ) -> None:
+        for t, before in written:
+            storage = t.untyped_storage()
+            after = storage.nbytes()
+            if after == before:
+                continue
+            # The allocator hands out a new block and frees the old one; the StorageImpl stays.
+            watch = self._watches.get(storage._cdata)
+            new = self._new_allocation(t, after, op, call_site)
+            if watch is not None:
+                old = watch.allocation
+                old.free_tick = next(self._clock)
+                old.free_phase = op.phase
+                watch.allocation = new
+            else:
+                self._start_watch(storage, new)
+
+    # -- autograd -------------------------------------------------------------------------------
+    def _stamp_nodes(self) -> None:
+        pending, self._pending = self._pending, []
+        for ref, site, module in pending:
+            t = ref()
+            if t is None:
+                continue
+            node = t.grad_fn
+            if node is not None:
+                metadata = _metadata(node)
+                if NODE_STAMP not in metadata:
+                    metadata[NODE_STAMP] = (site, module)
+
+    def pack_saved(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """saved_tensors_hooks pack: marks the storage as saved for backward.
+
+        Returns a detached alias, not ``t`` itself: holding ``t`` would tie the node to its own output
+        in a reference cycle the garbage collector cannot see. The version is kept so that unpacking
+        raises on an in-place change, as autograd does without hooks.
+        """
+        if self._pending:
+            self._stamp_nodes()
+        self._quiet += 1
+        try:
+            alias = t.detach()
+        finally:
+            self._quiet -= 1
+        try:
+            watch = self._watches.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError, TypeError):
+            watch = None
+        if watch is not None and not watch.allocation.preexisting:
+            watch.allocation.saved = True
+        return alias, t._version
+
+    @staticmethod
+    def unpack_saved(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        alias, version = packed
+        if alias._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{type(alias).__name__} {list(alias.shape)}, {alias.dtype}] is at version "
+                f"{alias._version}; expected version {version} instead. (Raised by memtrim's saved-tensor "
+                "hook; autograd raises the same error without memtrim.)"
+            )
+        return alias
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Stop observing. Storages still watched are what was alive at the end (or at the failure)."""
+        if self._pending:
+            self._stamp_nodes()
+        self._open = False
+        self.trace.end_tick = next(self._clock)
+        self._watches.clear()
+        self._pending.clear()
+        self.trace.finished = True

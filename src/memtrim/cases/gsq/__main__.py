@@ -1,0 +1,3 @@
+from memtrim.cases.gsq.cli import main
+
+raise SystemExit(main())

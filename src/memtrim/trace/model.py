@@ -1,0 +1,164 @@
+"""The trace: a plain, JSON-serialisable event log of one tracked region. It holds no tensors.
+
+Everything here is data. Questions about the data (peak, live set, categories, temporaries) are
+answered by :mod:`memtrim.analysis`; the thin methods on :class:`Trace` only delegate there so that
+the public API reads naturally (``trace.peak_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memtrim.analysis.timeline import LineGroup, Peak
+
+SCHEMA = "memtrim.trace/1"
+
+PHASES = ("forward", "backward", "other")
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """A source line in the user's code."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} ({self.function})"
+
+
+@dataclass(slots=True)
+class OpCall:
+    """One aten op call seen inside the region."""
+
+    seq: int
+    tick: int
+    op: str
+    phase: str
+    site: Site | None
+    node: str | None = None
+    module: str | None = None
+
+
+@dataclass(slots=True)
+class Allocation:
+    """One storage allocation (or, with ``preexisting``, a storage that existed before the region).
+
+    ``site`` is where a person should look: the user's line that ran the op, or — for an op that the
+    autograd engine ran for a built-in backward node — the forward line that created the node.
+    ``call_site`` is the innermost user frame at the time of the op, when it differs.
+    """
+
+    id: int
+    bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    op: str
+    phase: str
+    alloc_tick: int
+    free_tick: int | None = None
+    free_phase: str | None = None
+    site: Site | None = None
+    call_site: Site | None = None
+    node: str | None = None
+    module: str | None = None
+    saved: bool = False
+    preexisting: bool = False
+
+    @property
+    def file(self) -> str | None:
+        return self.site.file if self.site else None
+
+    @property
+    def line(self) -> int | None:
+        return self.site.line if self.site else None
+
+    @property
+    def function(self) -> str | None:
+        return self.site.function if self.site else None
+
+    @property
+    def category(self) -> str:
+        from memtrim.analysis.categories import categorize
+
+        return categorize(self)
+
+    def describe(self) -> dict[str, Any]:
+        """The allocation as a flat JSON object (the shape reporters and users consume)."""
+        return {
+            "bytes": self.bytes,
+            "op": self.op,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "device": self.device,
+            "phase": self.phase,
+            "category": self.category,
+            "file": self.file,
+            "line": self.line,
+            "function": self.function,
+            "node": self.node,
+            "module": self.module,
+            "alloc_tick": self.alloc_tick,
+            "free_tick": self.free_tick,
+        }
+
+
+@dataclass
+class Trace:
+    """Everything recorded in one ``memtrim.track()`` region."""
+
+    ops: list[OpCall] = field(default_factory=list)
+    allocations: list[Allocation] = field(default_factory=list)
+    end_tick: int = 0
+    fake: bool = False
+    error: str | None = None
+    failed_op: OpCall | None = None
+    cuda_max_allocated: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+
+    # -- analysis (delegated; see memtrim.analysis) -------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes above the region's start, on the device with the largest peak."""
+        return self.peak.bytes
+
+    @property
+    def peak(self) -> Peak:
+        from memtrim.analysis.timeline import find_peak
+
+        return find_peak(self)
+
+    def live_at_peak(self) -> list[LineGroup]:
+        from memtrim.analysis.timeline import live_at_peak
+
+        return live_at_peak(self)
+
+    def largest_temporaries(self, n: int = 10) -> list[Allocation]:
+        from memtrim.analysis.timeline import largest_temporaries
+
+        return largest_temporaries(self, n)
+
+    def peak_bytes_by_device(self) -> dict[str, int]:
+        from memtrim.analysis.timeline import peaks_by_device
+
+        return {device: peak.bytes for device, peak in peaks_by_device(self).items()}
+
+    # -- reporting -------------------------------------------------------------------------------
+    def report(self, *, top: int = 5) -> str:
+        from memtrim.report.terminal import render
+
+        return render(self, top=top)
+
+    def to_dict(self) -> dict[str, Any]:
+        from memtrim.trace.serialize import trace_to_dict
+
+        return trace_to_dict(self)
+
+    def save(self, path: str) -> None:
+        from memtrim.trace.serialize import save
+
+        save(self, path)

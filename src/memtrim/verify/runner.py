@@ -1,0 +1,210 @@
+"""Run one callable on one set of inputs: forward, gradients, second derivatives; errors and side effects."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_VERIFY_DIR = os.path.dirname(__file__)
+
+
+@dataclass
+class CallError:
+    """An exception raised by a callable: in which phase, what, and the user's line that raised it."""
+
+    phase: str
+    type: str
+    message: str
+    where: str | None
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        msg = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type} in {self.phase}{at}: {msg}"
+
+
+@dataclass
+class RunResult:
+    outputs: list[Any] = field(default_factory=list)
+    spec: Any = None
+    out_requires_grad: list[bool] = field(default_factory=list)
+    detached: list[int] = field(default_factory=list)
+    grads: list[torch.Tensor | None] | None = None
+    grads2: list[torch.Tensor | None] | None = None
+    not_differentiable: list[int] = field(default_factory=list)
+    mutated: list[int] = field(default_factory=list)
+    poisoned: list[int] = field(default_factory=list)
+    error: CallError | None = None
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if not fr.filename.startswith((_TORCH_DIR, _VERIFY_DIR)):
+            return f"{os.path.basename(fr.filename)}:{fr.lineno} in {fr.name}"
+    return None
+
+
+def _error(phase: str, exc: BaseException) -> CallError:
+    return CallError(phase, type(exc).__name__, str(exc), _user_frame(exc))
+
+
+def _poison_intact(buf: torch.Tensor) -> bool:
+    hidden = buf[..., 0]
+    if hidden.is_floating_point() or hidden.is_complex():
+        return bool(hidden.isnan().all())
+    if hidden.dtype == torch.bool:
+        return bool(hidden.all())
+    return bool((hidden == 12).all())
+
+
+def run_callable(
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    make_args: Callable[[list[Any]], tuple[Any, ...]],
+    diff_index: Sequence[int],
+    *,
+    grad_outputs: Callable[[list[Any]], list[torch.Tensor | None]] | None,
+    directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None = None,
+    guards: Sequence[tuple[int, torch.Tensor]] = (),
+    forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> RunResult:
+    """Call ``fn(*make_args(leaves))``, then backpropagate ``grad_outputs(outputs)`` into the diff leaves.
+
+    ``grad_outputs`` returns one upstream gradient per flat output (None: not differentiated); an output
+    that should be differentiated but does not require grad is listed in ``detached``. ``directions``
+    (second order) gives one direction per differentiable leaf for a Hessian-vector product.
+    """
+    res = RunResult()
+    versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
+    try:
+        with forward_context():
+            out = fn(*make_args(leaves))
+    except Exception as exc:
+        res.error = _error("forward", exc)
+        return res
+    res.outputs, res.spec = tree_flatten(out)
+    res.out_requires_grad = [isinstance(o, torch.Tensor) and o.requires_grad for o in res.outputs]
+    diff_leaves = [leaves[i] for i in diff_index]
+    if grad_outputs is not None and diff_leaves:
+        ups = grad_outputs(res.outputs)
+        pairs = []
+        for j, (o, g) in enumerate(zip(res.outputs, ups)):
+            if g is None:
+                continue
+            if not (isinstance(o, torch.Tensor) and o.requires_grad):
+                res.detached.append(j)
+                continue
+            pairs.append((o, g))
+        res.grads = [None] * len(diff_leaves)
+        if pairs:
+            try:
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    diff_leaves,
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=directions is not None,
+                )
+                res.grads = list(grads)
+            except Exception as exc:
+                res.error = _error("backward", exc)
+        if directions is not None and res.error is None:
+            _second_order(res, diff_leaves, directions)
+    for j in range(len(res.outputs)):
+        if isinstance(res.outputs[j], torch.Tensor):
+            res.outputs[j] = res.outputs[j].detach()
+    if res.grads is not None:
+        res.grads = [g.detach() if g is not None else None for g in res.grads]
+    res.mutated = [
+        i for i, (x, v) in enumerate(zip(leaves, versions)) if isinstance(x, torch.Tensor) and x._version != v
+    ]
+    res.poisoned = [i for i, buf in guards if not _poison_intact(buf)]
+    return res
+
+
+def _second_order(
+    res: RunResult,
+    diff_leaves: list[Any],
+    directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]],
+) -> None:
+    assert res.grads is not None
+    dirs = directions(res.grads)
+    terms = []
+    for k, (g, v) in enumerate(zip(res.grads, dirs)):
+        if g is None or v is None:
+            continue
+        if not g.requires_grad:
+            res.not_differentiable.append(k)
+            continue
+        terms.append((g * v).sum())
+    res.grads2 = [None] * len(diff_leaves)
+    if not terms:
+        return
+    try:
+        res.grads2 = [
+            None if h is None else h.detach()
+            for h in torch.autograd.grad(sum(terms), diff_leaves, allow_unused=True)
+        ]
+    except Exception as exc:
+        res.error = _error("second-order backward", exc)
+
+
+@dataclass
+class Memory:
+    """Peak bytes above the start of a tracked forward+backward, and its largest temporary."""
+
+    peak_bytes: int
+    largest_temporary_bytes: int
+    largest_temporary_where: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "largest_temporary_bytes": self.largest_temporary_bytes,
+            "largest_temporary_where": self.largest_temporary_where,
+        }
+
+
+def measure(run: Callable[[], RunResult]) -> Memory | str:
+    """Run ``run`` under memtrim's tracker. Returns the figures, or why there are none."""
+    try:
+        from memtrim.capture import track
+    except Exception as exc:  # the tracker is optional for verification
+        return f"memory tracker unavailable ({type(exc).__name__}: {exc})"
+    try:
+        with track() as trace:
+            result = run()
+        temps = trace.largest_temporaries(1)
+    except Exception as exc:
+        return f"memory tracking failed: {type(exc).__name__}: {exc}"
+    if result.error is not None:
+        return f"not measured: {result.error.describe()}"
+    where = None
+    if temps:
+        t = temps[0]
+        loc = f"{os.path.basename(t.file)}:{t.line}" if t.file else "?"
+        where = f"{t.op} at {loc}"
+    return Memory(int(trace.peak_bytes), int(temps[0].bytes) if temps else 0, where)
+
+
+def format_bytes(n: float) -> str:
+    """1.2 GB / 19 MB / 512 B (decimal units, as the seed PRs report them)."""
+    if not math.isfinite(n):
+        return str(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{sign}{v:.1f} {unit}" if v < 100 else f"{sign}{v:.0f} {unit}"
+    return f"{sign}{int(n)} B"

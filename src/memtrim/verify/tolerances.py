@@ -1,0 +1,172 @@
+"""Rounding budgets, looked up in registries of small functions (as torch/utils/flop_counter.py does).
+
+A candidate in ``reference`` mode passes an element where
+
+    |cand - oracle| <= k * |orig - oracle| + u_out * |oracle| + min(c * sqrt(n), gamma_n / u_acc) * u_acc * S
+
+``orig`` is the reference run in the case's dtype, ``oracle`` the reference in float64 on the same rounded
+inputs, ``S`` the sum of absolute products behind the element and ``n`` how many products it sums.
+
+* ``k`` (:data:`K_FACTORS`): 2 for outputs, 3 for gradients — the multiples FlashAttention's tests allow
+  over a plain PyTorch implementation's error.
+* ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make.
+* ``u_acc``: unit roundoff of what reductions accumulate in (:func:`rounding_for`).
+* ``c`` (:data:`C_REORDER`): see below.
+
+Why ``c = 10``. A legitimate rewrite may sum the same products in another order (a GEMM's blocked order
+instead of ``torch.sum``'s pairwise one, another BLAS, split-K on a GPU). Any order obeys the worst-case
+bound ``gamma_n * S`` with ``gamma_n = n*u/(1-n*u)``; that bound is rigorous but grows like ``n``. Higham and
+Mary's probabilistic analysis (SIAM J. Sci. Comput. 41(5), 2019, Thm. 3.1) shows that, modelling rounding
+errors as independent and mean-zero, an inner product of length ``n`` in any order has error at most
+``lambda * sqrt(n) * u * S`` with probability at least ``1 - 2n * exp(-lambda**2 / 2)``. With ``lambda = 10``
+that failure probability is below ``4e-22 * n`` per element: a correct rewrite is never failed by chance,
+even over billions of elements. ``c = 10`` is also tight enough to matter: a rewrite that accumulates fp16 in
+fp16 errs by about ``sqrt(n) * 2**-11 * S``, 800 times the fp32 allowance. Below ``n = c**2`` the
+rigorous bound ``gamma_n`` is the smaller one and is used instead, so the allowance never exceeds what
+any summation order can reach.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+C_REORDER = 10.0
+"""``c`` in the reordering allowance ``c * sqrt(n) * u_acc * S``; justified in the module docstring."""
+
+K_FACTORS: dict[str, float] = {"output": 2.0, "grad": 3.0, "grad2": 3.0}
+"""``k`` per quantity: outputs, first and second derivatives."""
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How a computation in ``dtype`` rounds: its own unit roundoff and that of its accumulator."""
+
+    dtype: torch.dtype
+    u: float
+    acc_dtype: torch.dtype
+    u_acc: float
+    why: str
+
+
+RoundingRule = Callable[[torch.dtype], Rounding]
+ROUNDING_REGISTRY: dict[tuple[torch.dtype, bool], RoundingRule] = {}
+"""``(dtype, under_autocast) -> rule``. Register more with :func:`register_rounding`."""
+
+
+def register_rounding(*dtypes: torch.dtype, autocast: bool = False) -> Callable[[RoundingRule], RoundingRule]:
+    """Decorator: ``rule`` gives the :class:`Rounding` of computations in each of ``dtypes``."""
+
+    def wrap(rule: RoundingRule) -> RoundingRule:
+        for dtype in dtypes:
+            ROUNDING_REGISTRY[(dtype, autocast)] = rule
+        return rule
+
+    return wrap
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon: the largest relative error of rounding to nearest in ``dtype``."""
+    return float(torch.finfo(dtype).eps) / 2.0
+
+
+@register_rounding(torch.float16, torch.bfloat16)
+def _half(dtype: torch.dtype) -> Rounding:
+    # CPU kernels and GPU tensor cores accumulate half-precision reductions in fp32 (PyTorch's opmath).
+    return Rounding(dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate")
+
+
+@register_rounding(torch.float32)
+def _single(dtype: torch.dtype) -> Rounding:
+    return Rounding(dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate")
+
+
+@register_rounding(torch.float64)
+def _double(dtype: torch.dtype) -> Rounding:
+    return Rounding(dtype, unit_roundoff(dtype), torch.float64, unit_roundoff(torch.float64), "fp64 accumulate")
+
+
+@register_rounding(torch.float16, torch.bfloat16, autocast=True)
+def _autocast_half(dtype: torch.dtype) -> Rounding:
+    # Under autocast the fp32 inputs of matmuls are rounded to ``dtype`` before the fp32 accumulation.
+    # Those input roundings perturb each product by at most 2u, which the reordering term with
+    # u_acc = u(dtype) covers (c * sqrt(n) >= 2), so the budget uses the low dtype's unit roundoff.
+    u = unit_roundoff(dtype)
+    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {_name(dtype)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class NoRoundingRule(LookupError):
+    """No rounding rule is registered for a dtype: only ``exact`` comparisons are possible."""
+
+
+def rounding_for(dtype: torch.dtype, *, autocast: bool = False) -> Rounding:
+    """The registered :class:`Rounding` of ``dtype`` (``autocast=True``: of autocast to ``dtype``)."""
+    rule = ROUNDING_REGISTRY.get((dtype, autocast))
+    if rule is None:
+        raise NoRoundingRule(
+            f"no rounding rule is registered for {_name(dtype)}{' under autocast' if autocast else ''}; "
+            "judge it with mode='exact' or register one with "
+            "memtrim.verify.tolerances.register_rounding"
+        )
+    return rule(dtype)
+
+
+def gamma(n: float, u: float) -> float:
+    """Higham's gamma_n = n*u / (1 - n*u): the worst-case relative error of summing n products."""
+    nu = n * u
+    return math.inf if nu >= 1.0 else nu / (1.0 - nu)
+
+
+def reorder_factor(n: torch.Tensor, u_acc: float, c: float = C_REORDER) -> torch.Tensor:
+    """Per element ``min(c * sqrt(n) * u_acc, gamma_n)``: the reordering allowance per unit of S."""
+    n = n.to(torch.float64)
+    probabilistic = c * n.sqrt() * u_acc
+    nu = n * u_acc
+    worst = torch.where(nu < 1.0, nu / (1.0 - nu).clamp_min(1e-300), torch.full_like(nu, math.inf))
+    return torch.minimum(probabilistic, worst)
+
+
+def elementwise_budget(
+    orig_err: torch.Tensor,
+    oracle: torch.Tensor,
+    s: torch.Tensor,
+    n: torch.Tensor,
+    *,
+    k: float,
+    u_out: float,
+    u_acc: float,
+    c: float = C_REORDER,
+) -> torch.Tensor:
+    """The per-element budget (float64) of the rule in the module docstring."""
+    return k * orig_err + u_out * oracle.abs() + reorder_factor(n, u_acc, c) * s
+
+
+def tensorwise_budget(orig_err: torch.Tensor, oracle: torch.Tensor, *, k: float, u_out: float) -> float:
+    """Without S only the k-times rule holds, judged as FlashAttention's tests do: on the tensor's maxima.
+
+    ``max|cand - oracle| <= k * max|orig - oracle| + u_out * max|oracle|``: the last term is one rounding
+    of the largest value (FlashAttention 3's tests allow the same through ``x + 0.3 - 0.3 - x``).
+    """
+    if orig_err.numel() == 0:
+        return 0.0
+    finite = oracle[oracle.isfinite()]
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    return k * float(orig_err.max()) + u_out * top
+
+
+# torch.testing.assert_close's defaults, for the informational verdict in each case.
+def assert_close_verdict(actual: torch.Tensor, expected: torch.Tensor) -> tuple[bool, str]:
+    """Whether ``torch.testing.assert_close`` (default tolerances, ``check_dtype=False``) accepts it."""
+    try:
+        torch.testing.assert_close(actual, expected, check_dtype=False, equal_nan=True, check_stride=False)
+    except AssertionError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return False, "; ".join(lines[:3])
+    return True, ""
