@@ -56,13 +56,19 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
                 yield from _tensors(item)
 
 
+_LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
+
+
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("name", "written_args", "written_kwargs")
+    __slots__ = ("lifts", "name", "written_args", "written_kwargs")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
+        # torch.tensor(data) builds its tensor below the dispatch modes, then passes it through
+        # lift_fresh so that modes see it: that input is new, not something from before the region.
+        self.lifts = func in _LIFT_OPS
         self.written_args: list[int] = []
         self.written_kwargs: list[str] = []
         for i, arg in enumerate(func._schema.arguments):
@@ -107,7 +113,7 @@ class Recorder(TorchDispatchMode):
 
         call_site, between = user_site(sys._getframe(1))
         node = _current_autograd_node()
-        wants_grad = self._watch_inputs(args, kwargs) or _is_grad_enabled()
+        wants_grad = (not info.lifts and self._watch_inputs(args, kwargs)) or _is_grad_enabled()
         site, module = call_site, self.modules.current()
         node_name = None
         if node is not None or between == ENGINE:
@@ -139,6 +145,8 @@ class Recorder(TorchDispatchMode):
 
         if written:
             self._record_resizes(written, op, call_site)
+        if info.lifts:
+            self._record_lifted(args, op, call_site)
         stamp = phase == "forward" and wants_grad
         for t in _tensors(out):
             self._record_output(t, op, call_site)
@@ -172,6 +180,12 @@ class Recorder(TorchDispatchMode):
         if nbytes == 0:
             return
         self._start_watch(storage, self._new_allocation(t, nbytes, op, call_site))
+
+    def _record_lifted(self, args: Any, op: OpCall, call_site: Site | None) -> None:
+        for t in _tensors(args):
+            storage = t.untyped_storage()
+            if storage._cdata not in self._watches and storage.nbytes():
+                self._start_watch(storage, self._new_allocation(t, storage.nbytes(), op, call_site))
 
     def _new_allocation(self, t: torch.Tensor, nbytes: int, op: OpCall, call_site: Site | None) -> Allocation:
         alloc = Allocation(

@@ -156,9 +156,10 @@ def save(trace: Trace, path: str) -> None:
 
 def load(path: str) -> Trace:
     """Read a trace written by :meth:`Trace.save`."""
-    with open(path, encoding="utf-8") as handle:
-        try:
-            data = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{path} is not JSON ({exc}); memtrim traces are JSON files") from exc
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceFormatError(f"{path} is not JSON ({exc}); memtrim traces are JSON files") from exc
     return trace_from_dict(data)

@@ -1,0 +1,110 @@
+"""Independent ground truth for memory claims: torch.profiler's CPU allocation events.
+
+The profiler sees every call into the CPU allocator. Two kinds of block never reach a dispatch mode
+and are set aside here, each kept in its own list so a test can bound them:
+
+- intra-op: an allocation whose alloc and free events both sit under the same outermost ``aten::`` op
+  (workspaces, scalar conversions inside a kernel). memtrim accounts at op boundaries.
+- wrapped numbers: torch's Python argument parser turns a Python number operand (``y * 2``) into an
+  8-byte 0-dim tensor outside any op; the dispatch mode receives the plain number.
+
+What remains must match memtrim event for event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+WRAPPED_NUMBER_BYTES = 8
+
+
+@dataclass
+class ProfiledMemory:
+    events: list[tuple[int, int]] = field(default_factory=list)  # (time ns, +bytes / -bytes), cross-op
+    intra_op_bytes: list[int] = field(default_factory=list)
+    wrapped_number_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def deltas(self) -> list[int]:
+        return [delta for _, delta in self.events]
+
+    @property
+    def peak(self) -> int:
+        live = best = 0
+        for delta in self.deltas:
+            live += delta
+            best = max(best, live)
+        return best
+
+    @property
+    def allocated_sizes(self) -> list[int]:
+        return sorted(d for d in self.deltas if d > 0)
+
+
+def _allocation_events(prof: profile) -> list[tuple[int, int, int, int | None]]:
+    """(time, ptr, delta, id of the outermost aten op around it or None) for every CPU alloc/free."""
+    out: list[tuple[int, int, int, int | None]] = []
+    stack: list[tuple[object, int | None]] = [(root, None) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, op = stack.pop()
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                out.append((node.start_time_ns, fields.ptr, fields.alloc_size, op))
+            continue
+        if op is None and node.name.startswith("aten::"):
+            op = id(node)
+        stack.extend((child, op) for child in node.children)
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def profiled_memory(prof: profile) -> ProfiledMemory:
+    events = _allocation_events(prof)
+    opened: dict[int, tuple[int, int | None]] = {}
+    intra: set[int] = set()  # indices of events set aside
+    result = ProfiledMemory()
+    for i, (_, ptr, delta, op) in enumerate(events):
+        if delta > 0:
+            opened[ptr] = (i, op)
+        elif ptr in opened:
+            j, alloc_op = opened.pop(ptr)
+            if op is not None and op == alloc_op:
+                intra.update((i, j))
+                result.intra_op_bytes.append(-delta)
+            elif alloc_op is None and -delta == WRAPPED_NUMBER_BYTES:
+                intra.update((i, j))
+                result.wrapped_number_bytes.append(-delta)
+    result.events = [(t, delta) for i, (t, _, delta, _) in enumerate(events) if i not in intra]
+    return result
+
+
+@contextlib.contextmanager
+def profiler_memory() -> Iterator[ProfiledMemory]:
+    """Profile the block's CPU allocations; the yielded object is filled in when the block exits."""
+    result = ProfiledMemory()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    measured = profiled_memory(prof)
+    result.events = measured.events
+    result.intra_op_bytes = measured.intra_op_bytes
+    result.wrapped_number_bytes = measured.wrapped_number_bytes
+
+
+def memtrim_deltas(trace: object) -> list[int]:
+    """memtrim's allocation and free events in order, as +bytes / -bytes."""
+    events = []
+    for a in trace.allocations:  # type: ignore[attr-defined]
+        if a.device != "cpu":
+            continue
+        if not a.preexisting:
+            events.append((a.alloc_tick, a.bytes))
+        if a.free_tick is not None:
+            events.append((a.free_tick, -a.bytes))
+    return [delta for _, delta in sorted(events)]

@@ -1,0 +1,130 @@
+"""Which op, phase, autograd node and source line each allocation is attributed to."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from groundtruth import profiler_memory
+
+import memtrim
+from memtrim.cases.heads import head_results, head_results_broadcast
+
+GPT2 = {"tokens": 512, "heads": 12, "d_head": 64, "d_model": 768}
+
+
+def line_of(fn: object, text: str) -> int:
+    """The line number of the first line of ``fn``'s source containing ``text``."""
+    lines, start = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_broadcast_temporary_is_attributed_to_the_multiply_line_at_gpt2_size() -> None:
+    z = torch.randn(GPT2["tokens"], GPT2["heads"], GPT2["d_head"])
+    W_O = torch.randn(GPT2["heads"], GPT2["d_head"], GPT2["d_model"])
+    with profiler_memory() as truth:
+        with memtrim.track() as trace:
+            result = head_results_broadcast(z, W_O)
+    biggest = trace.largest_temporaries(1)[0]
+    assert biggest.bytes == 1_207_959_552 == max(truth.allocated_sizes)
+    assert biggest.op == "aten.mul.Tensor"
+    assert biggest.phase == "forward"
+    assert biggest.file == inspect.getsourcefile(head_results_broadcast)
+    assert biggest.line == line_of(head_results_broadcast, "z[..., None] * W_O")
+    assert result.nbytes == 18_874_368
+    assert trace.peak_bytes == truth.peak == 1_207_959_552 + 18_874_368
+
+
+def test_einsum_has_no_temporary_above_twice_the_result_at_gpt2_size() -> None:
+    z = torch.randn(GPT2["tokens"], GPT2["heads"], GPT2["d_head"])
+    W_O = torch.randn(GPT2["heads"], GPT2["d_head"], GPT2["d_model"])
+    with profiler_memory() as truth:
+        with memtrim.track() as trace:
+            head_results(z, W_O)
+    assert max(truth.allocated_sizes) <= 2 * 18_874_368
+    assert all(t.bytes <= 2 * 18_874_368 for t in trace.largest_temporaries(10))
+    assert trace.peak_bytes == truth.peak
+
+
+def test_backward_temporaries_of_the_broadcast_point_at_the_forward_line() -> None:
+    z = torch.randn(64, 12, 64, requires_grad=True)
+    W_O = torch.randn(12, 64, 768, requires_grad=True)
+    with memtrim.track() as trace:
+        head_results_broadcast(z, W_O).sum().backward()
+    product = 64 * 12 * 64 * 768 * 4
+    backward_temps = [t for t in trace.largest_temporaries(10) if t.phase == "backward" and t.bytes == product]
+    assert len(backward_temps) == 2  # grad_out * W_O and grad_out * z, both broadcast-sized
+    multiply_line = line_of(head_results_broadcast, "z[..., None] * W_O")
+    for t in backward_temps:
+        assert t.node == "MulBackward0"
+        assert (t.file, t.line) == (inspect.getsourcefile(head_results_broadcast), multiply_line)
+        assert t.call_site is not None and t.call_site.line != multiply_line  # the .backward() call
+
+
+class ScaledDifference(torch.autograd.Function):
+    """Backward written the out-of-place way: three temporaries the size of the gradient."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, d)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        s, d = ctx.saved_tensors  # type: ignore[attr-defined]
+        a = g - d
+        b = s * a
+        c = b * 3.0
+        return c, None
+
+
+def test_custom_backward_temporaries_are_attributed_to_their_own_lines() -> None:
+    x = torch.randn(256, 1024, requires_grad=True)
+    d = torch.randn(256, 1024)
+    with profiler_memory() as truth:
+        with memtrim.track() as trace:
+            ScaledDifference.apply(x, d).sum().backward()
+    in_backward = [a for a in trace.allocations if a.function == "backward" and a.node == "ScaledDifferenceBackward"]
+    lines = {a.line: a for a in in_backward}
+    for text in ("a = g - d", "b = s * a", "c = b * 3.0"):
+        alloc = lines[line_of(ScaledDifference.backward, text)]
+        assert alloc.bytes == 256 * 1024 * 4
+        assert alloc.phase == "backward"
+    assert lines[line_of(ScaledDifference.backward, "a = g - d")].category == "temporary"
+    assert lines[line_of(ScaledDifference.backward, "c = b * 3.0")].category == "gradient"
+    assert trace.peak_bytes == truth.peak
+
+
+def test_module_path_names_the_submodule() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    with memtrim.track() as trace:
+        model(torch.randn(2, 8)).sum().backward()
+    made = {a.module for a in trace.allocations if not a.preexisting}
+    assert "Sequential.0" in made and "Sequential.1.1" in made
+    relu_grad = [a for a in trace.allocations if a.node == "ReluBackward0"]
+    assert relu_grad and all(a.module == "Sequential.1.0" for a in relu_grad)
+
+
+def test_categories_saved_gradient_output_temporary() -> None:
+    x = torch.randn(1000, requires_grad=True)
+    with memtrim.track() as trace:
+        y = x.exp()  # saved by ExpBackward0 (its output), freed in backward
+        t = y * y  # saved by MulBackward0, freed in backward
+        out = t.sum()
+        out.backward()
+        kept = y.detach() + 1  # alive at the end
+    by_line = {a.line: a.category for a in trace.allocations if not a.preexisting and a.bytes == 4000}
+    categories = sorted(by_line.values())
+    assert "output" in categories and "gradient" in categories
+    # autograd saved y, so it is an activation ("saved") even though the user also still holds it
+    assert [a.category for a in trace.allocations if a.op == "aten.exp.default"] == ["saved"]
+    assert [a.category for a in trace.allocations if a.op == "aten.add.Tensor" and a.phase == "forward"] == ["output"]
+    del kept, y, t
+    x.grad = None  # otherwise backward accumulates in place into the existing .grad
+    with memtrim.track() as trace:
+        loss = (x.exp() * 2).sum()
+        loss.backward()
+    exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
+    assert exp_alloc.saved and exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
+    assert any(a.category == "temporary" and a.phase == "backward" for a in trace.allocations)
+    assert any(a.category == "gradient" for a in trace.allocations)
