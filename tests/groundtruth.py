@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-
 WRAPPED_NUMBER_BYTES = 8
 
 
@@ -50,7 +49,9 @@ class ProfiledMemory:
 def _allocation_events(prof: profile) -> list[tuple[int, int, int, int | None]]:
     """(time, ptr, delta, id of the outermost aten op around it or None) for every CPU alloc/free."""
     out: list[tuple[int, int, int, int | None]] = []
-    stack: list[tuple[object, int | None]] = [(root, None) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    stack: list[tuple[object, int | None]] = [
+        (root, None) for root in prof.profiler.kineto_results.experimental_event_tree()
+    ]
     while stack:
         node, op = stack.pop()
         if node.tag == torch._C._profiler._EventType.Allocation:

@@ -22,9 +22,8 @@ def line_of(fn: object, text: str) -> int:
 def test_broadcast_temporary_is_attributed_to_the_multiply_line_at_gpt2_size() -> None:
     z = torch.randn(GPT2["tokens"], GPT2["heads"], GPT2["d_head"])
     W_O = torch.randn(GPT2["heads"], GPT2["d_head"], GPT2["d_model"])
-    with profiler_memory() as truth:
-        with memtrim.track() as trace:
-            result = head_results_broadcast(z, W_O)
+    with profiler_memory() as truth, memtrim.track() as trace:
+        result = head_results_broadcast(z, W_O)
     biggest = trace.largest_temporaries(1)[0]
     assert biggest.bytes == 1_207_959_552 == max(truth.allocated_sizes)
     assert biggest.op == "aten.mul.Tensor"
@@ -38,9 +37,8 @@ def test_broadcast_temporary_is_attributed_to_the_multiply_line_at_gpt2_size() -
 def test_einsum_has_no_temporary_above_twice_the_result_at_gpt2_size() -> None:
     z = torch.randn(GPT2["tokens"], GPT2["heads"], GPT2["d_head"])
     W_O = torch.randn(GPT2["heads"], GPT2["d_head"], GPT2["d_model"])
-    with profiler_memory() as truth:
-        with memtrim.track() as trace:
-            head_results(z, W_O)
+    with profiler_memory() as truth, memtrim.track() as trace:
+        head_results(z, W_O)
     assert max(truth.allocated_sizes) <= 2 * 18_874_368
     assert all(t.bytes <= 2 * 18_874_368 for t in trace.largest_temporaries(10))
     assert trace.peak_bytes == truth.peak
@@ -52,7 +50,9 @@ def test_backward_temporaries_of_the_broadcast_point_at_the_forward_line() -> No
     with memtrim.track() as trace:
         head_results_broadcast(z, W_O).sum().backward()
     product = 64 * 12 * 64 * 768 * 4
-    backward_temps = [t for t in trace.largest_temporaries(10) if t.phase == "backward" and t.bytes == product]
+    backward_temps = [
+        t for t in trace.largest_temporaries(10) if t.phase == "backward" and t.bytes == product
+    ]
     assert len(backward_temps) == 2  # grad_out * W_O and grad_out * z, both broadcast-sized
     multiply_line = line_of(head_results_broadcast, "z[..., None] * W_O")
     for t in backward_temps:
@@ -81,10 +81,11 @@ class ScaledDifference(torch.autograd.Function):
 def test_custom_backward_temporaries_are_attributed_to_their_own_lines() -> None:
     x = torch.randn(256, 1024, requires_grad=True)
     d = torch.randn(256, 1024)
-    with profiler_memory() as truth:
-        with memtrim.track() as trace:
-            ScaledDifference.apply(x, d).sum().backward()
-    in_backward = [a for a in trace.allocations if a.function == "backward" and a.node == "ScaledDifferenceBackward"]
+    with profiler_memory() as truth, memtrim.track() as trace:
+        ScaledDifference.apply(x, d).sum().backward()
+    in_backward = [
+        a for a in trace.allocations if a.function == "backward" and a.node == "ScaledDifferenceBackward"
+    ]
     lines = {a.line: a for a in in_backward}
     for text in ("a = g - d", "b = s * a", "c = b * 3.0"):
         alloc = lines[line_of(ScaledDifference.backward, text)]
@@ -96,7 +97,9 @@ def test_custom_backward_temporaries_are_attributed_to_their_own_lines() -> None
 
 
 def test_module_path_names_the_submodule() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    )
     with memtrim.track() as trace:
         model(torch.randn(2, 8)).sum().backward()
     made = {a.module for a in trace.allocations if not a.preexisting}
@@ -118,7 +121,9 @@ def test_categories_saved_gradient_output_temporary() -> None:
     assert "output" in categories and "gradient" in categories
     # autograd saved y, so it is an activation ("saved") even though the user also still holds it
     assert [a.category for a in trace.allocations if a.op == "aten.exp.default"] == ["saved"]
-    assert [a.category for a in trace.allocations if a.op == "aten.add.Tensor" and a.phase == "forward"] == ["output"]
+    assert [a.category for a in trace.allocations if a.op == "aten.add.Tensor" and a.phase == "forward"] == [
+        "output"
+    ]
     del kept, y, t
     x.grad = None  # otherwise backward accumulates in place into the existing .grad
     with memtrim.track() as trace:

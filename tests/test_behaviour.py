@@ -16,7 +16,9 @@ from memtrim.cases.heads import head_results, head_results_broadcast
 
 def training_step(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.GELU(), torch.nn.Linear(32, 4)
+    )
     out = model(torch.randn(8, 16))
     out.square().mean().backward()
     return out.detach(), [p.grad for p in model.parameters() if p.grad is not None]
@@ -44,10 +46,9 @@ def test_no_tensor_is_kept_alive_by_the_trace() -> None:
 
 def test_an_exception_keeps_the_trace_and_leaves_no_mode_installed() -> None:
     big = None
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        with memtrim.track() as trace:
-            big = torch.ones(1000, 1000)
-            torch.ones(3, 4) @ torch.ones(5, 6)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), memtrim.track() as trace:
+        big = torch.ones(1000, 1000)
+        torch.ones(3, 4) @ torch.ones(5, 6)
     assert _get_current_dispatch_mode() is None
     assert trace.finished and trace.error is not None and "shapes cannot be multiplied" in trace.error
     assert trace.failed_op is not None and trace.failed_op.op == "aten.mm.default"
@@ -100,9 +101,8 @@ def test_double_backward_works_under_tracking() -> None:
 
 def test_tracking_works_where_saved_tensor_hooks_are_disabled() -> None:
     x = torch.randn(100, requires_grad=True)
-    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
-        with memtrim.track() as trace:
-            (x.exp() * 2).sum().backward()
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"), memtrim.track() as trace:
+        (x.exp() * 2).sum().backward()
     assert trace.peak_bytes > 0
 
 
@@ -139,9 +139,8 @@ def _heads_program(fn: object) -> None:
     ids=["heads-broadcast", "heads-einsum", "custom-backward"],
 )
 def test_fake_peak_equals_real_peak(program: object) -> None:
-    with profiler_memory() as truth:
-        with memtrim.track() as real:
-            program()  # type: ignore[operator]
+    with profiler_memory() as truth, memtrim.track() as real:
+        program()  # type: ignore[operator]
     with memtrim.track(fake=True) as fake:
         program()  # type: ignore[operator]
     assert fake.fake and not real.fake

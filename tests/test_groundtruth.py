@@ -14,9 +14,8 @@ import memtrim.analysis
 
 
 def measure(program: Callable[[], object]) -> tuple[memtrim.Trace, object]:
-    with profiler_memory() as truth:
-        with memtrim.track() as trace:
-            program()
+    with profiler_memory() as truth, memtrim.track() as trace:
+        program()
     return trace, truth
 
 
@@ -82,7 +81,9 @@ def test_free_of_a_tensor_from_before_the_region_lowers_the_curve() -> None:
 
 def test_training_step_with_backward_and_optimizer() -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(16, 32)
 

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrim.cases.gsq import (
     CODES,
+    VARIANTS,
     GumbelQuantizer2Bit,
     gumbel_soft_weight,
     minmax_scales,
@@ -38,7 +39,14 @@ def _quantizer(shape: tuple[int, int, int], dtypes: tuple[torch.dtype, torch.dty
         )
 
 
-def _step(q: GumbelQuantizer2Bit, seed: int, temperature: float, scale: float, between: bool = False):
+def _step(
+    q: GumbelQuantizer2Bit,
+    seed: int,
+    temperature: float,
+    scale: float,
+    between: bool = False,
+    transposed: bool = False,
+):
     """Forward, optionally drain the global RNG, backward; returns (soft weight, grad logits, grad scales)."""
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(q.in_features, 7, generator=gen).to(q.values.dtype)
@@ -50,7 +58,10 @@ def _step(q: GumbelQuantizer2Bit, seed: int, temperature: float, scale: float, b
         torch.randn(3, 5)
         torch.randint(0, 10, (17,))
         F.dropout(torch.ones(64), 0.5)
-    (w.float() @ x.float()).square().mean().backward()
+    if transposed:
+        (w.t() * x.float().sum(1, keepdim=True)).square().sum().backward()
+    else:
+        (w.float() @ x.float()).square().mean().backward()
     return w.detach(), q.quant_logits.grad, q.scales.grad
 
 
@@ -62,13 +73,40 @@ def test_lean_equals_original_bitwise(shape, dtypes, seed):
     results = {}
     for variant in ("original", "lean"):
         for between in (False, True):
-            results[variant, between] = _step(_quantizer(shape, dtypes, seed, variant), seed, temperature, scale, between)
+            results[variant, between] = _step(
+                _quantizer(shape, dtypes, seed, variant), seed, temperature, scale, between
+            )
     ref = results["original", False]
     assert ref[1] is not None and ref[1].dtype == dtypes[1] and ref[2].dtype == torch.float32
     assert ref[1].abs().sum() > 0 and ref[2].abs().sum() > 0
     for key, got in results.items():
         for name, a, b in zip(("output", "grad logits", "grad scales"), ref, got, strict=True):
             assert torch.equal(a, b), f"{key}: {name} differs"
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=lambda d: f"{d[0]}-logits_{d[1]}".replace("torch.", ""))
+def test_lean_equals_original_for_a_transposed_consumer(dtypes):
+    results = [_step(_quantizer((16, 64, 32), dtypes, 3, v), 3, 0.6, 40.0, transposed=True) for v in VARIANTS]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_backward_accepts_a_non_contiguous_gradient():
+    # Autograd hands this Function contiguous gradients today; the backward must not rely on it.
+    from memtrim.cases.gsq.function import _backward_lean, _backward_original
+
+    q = _quantizer((16, 64, 32), (torch.bfloat16, torch.bfloat16), 0, "lean")
+    state = torch.get_rng_state()
+    grad = torch.randn(64, 16).to(torch.bfloat16).t()
+    assert not grad.is_contiguous()
+    args = (q.quant_logits.detach(), q.scales.detach(), q.values, state, 32, 0.6, 40.0)
+    lean = _backward_lean(grad, *args)
+    original = _backward_original(grad, *args)
+    contiguous = _backward_lean(grad.contiguous(), *args)
+    for a, b, c in zip(lean, original, contiguous, strict=True):
+        assert torch.equal(a, b)
+        # A strided reduction may sum in another order than a contiguous one: equal up to rounding.
+        torch.testing.assert_close(a, c)
 
 
 def _reference_soft_weight(logits, scales, values, u, group_size, temperature, scale):
@@ -90,7 +128,9 @@ def test_gradients_match_plain_autograd(variant):
     torch.manual_seed(11)
     u = torch.rand_like(logits)
     torch.manual_seed(11)
-    w = gumbel_soft_weight(logits, scales, values, group_size=group, temperature=0.8, scale=50.0, backward=variant)
+    w = gumbel_soft_weight(
+        logits, scales, values, group_size=group, temperature=0.8, scale=50.0, backward=variant
+    )
     ref_logits = logits.detach().clone().requires_grad_()
     ref_scales = scales.detach().clone().requires_grad_()
     ref = _reference_soft_weight(ref_logits, ref_scales, values, u, group, 0.8, 50.0)
@@ -113,7 +153,9 @@ def test_gradcheck_float64_with_fixed_noise(variant):
         # Same seed on every call: gradcheck's perturbed forwards all see the same Gumbel noise.
         with torch.random.fork_rng():
             torch.manual_seed(1234)
-            return gumbel_soft_weight(lg, sc, values, group_size=group, temperature=0.9, scale=1.3, backward=variant)
+            return gumbel_soft_weight(
+                lg, sc, values, group_size=group, temperature=0.9, scale=1.3, backward=variant
+            )
 
     assert torch.autograd.gradcheck(f, (logits, scales), eps=1e-6, atol=1e-6, rtol=1e-5)
 
@@ -192,9 +234,13 @@ def test_errors_name_the_fix():
     weight = torch.randn(8, 96)
     with pytest.raises(ValueError, match=r"group_size=64 does not divide in=96; pick a positive divisor"):
         GumbelQuantizer2Bit(weight, torch.ones(8, 1), group_size=64)
-    with pytest.raises(ValueError, match=r"scales must have shape \(out, in // group_size\) = \(8, 3\); got \(8, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"scales must have shape \(out, in // group_size\) = \(8, 3\); got \(8, 2\)"
+    ):
         GumbelQuantizer2Bit(weight, torch.ones(8, 2), group_size=32)
-    with pytest.raises(ValueError, match=r"unknown backward variant 'fast'; use backward='lean' or backward='original'"):
+    with pytest.raises(
+        ValueError, match=r"unknown backward variant 'fast'; use backward='lean' or backward='original'"
+    ):
         GumbelQuantizer2Bit(weight, torch.ones(8, 3), group_size=32, backward="fast")
     with pytest.raises(ValueError, match=r"weight must be a 2-D floating matrix"):
         GumbelQuantizer2Bit(torch.randn(2, 8, 96), torch.ones(8, 3), group_size=32)

@@ -9,22 +9,21 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 
-class ModulePath:
-    """A per-thread stack of (module, dotted path) maintained by global forward hooks while installed."""
+class ModulePath(threading.local):
+    """Per thread: the dotted path of the innermost module running (``path``), kept by global hooks.
 
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._handles: list[RemovableHandle] = []
+    A ``threading.local`` subclass so that reading ``path`` on the per-op hot path is one attribute
+    lookup; the class attributes are each new thread's defaults.
+    """
+
+    path: str | None = None
+    _handles: tuple[RemovableHandle, ...] = ()
 
     def _stack(self) -> list[tuple[torch.nn.Module, str]]:
-        stack = getattr(self._local, "stack", None)
+        stack: list[tuple[torch.nn.Module, str]] | None = self.__dict__.get("stack")
         if stack is None:
-            stack = self._local.stack = []
+            stack = self.__dict__["stack"] = []
         return stack
-
-    def current(self) -> str | None:
-        stack = getattr(self._local, "stack", None)
-        return stack[-1][1] if stack else None
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         stack = self._stack()
@@ -35,6 +34,7 @@ class ModulePath:
             child = next((n for n, m in parent._modules.items() if m is module), None)
             path = f"{parent_path}.{child if child is not None else type(module).__name__}"
         stack.append((module, path))
+        self.path = path
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -43,16 +43,18 @@ class ModulePath:
             top, _ = stack.pop()
             if top is module:
                 break
+        self.path = stack[-1][1] if stack else None
 
     def install(self) -> None:
         modules = torch.nn.modules.module
-        self._handles = [
+        self._handles = (
             modules.register_module_forward_pre_hook(self._enter),
             modules.register_module_forward_hook(self._exit, always_call=True),
-        ]
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        self._local = threading.local()
+        self._handles = ()
+        self.__dict__.pop("stack", None)
+        self.path = None

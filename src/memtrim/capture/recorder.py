@@ -11,9 +11,9 @@ storage (PyObject preservation), so the callback fires when the memory is return
 from __future__ import annotations
 
 import itertools
-import sys
 import weakref
 from collections.abc import Iterator
+from sys import _getframe
 from typing import Any
 
 import torch
@@ -23,8 +23,27 @@ from memtrim.capture.frames import ENGINE, OPTIMIZER, user_site
 from memtrim.capture.modules import ModulePath
 from memtrim.trace.model import Allocation, OpCall, Site, Trace
 
+_Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
+
+
+_dtype_names: dict[torch.dtype, str] = {}
+_device_names: dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _device_names.get(device)
+    if name is None:
+        name = _device_names[device] = str(device)
+    return name
 
 
 def _metadata(node: Any) -> dict[str, Any]:
@@ -62,7 +81,7 @@ _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("lifts", "name", "written_args", "written_kwargs")
+    __slots__ = ("lifts", "name", "writes", "written_args", "written_kwargs")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
@@ -77,6 +96,7 @@ class _OpInfo:
                     self.written_kwargs.append(arg.name)
                 else:
                     self.written_args.append(i)
+        self.writes = bool(self.written_args or self.written_kwargs)
 
 
 class Recorder(TorchDispatchMode):
@@ -102,7 +122,9 @@ class Recorder(TorchDispatchMode):
 
     # -- ops ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
+        if kwargs is None:
+            kwargs = {}
         if self._quiet or not self._open:
             return func(*args, **kwargs)
         if self._pending:
@@ -111,10 +133,25 @@ class Recorder(TorchDispatchMode):
         if info is None:
             info = self._infos[func] = _OpInfo(func)
 
-        call_site, between = user_site(sys._getframe(1))
+        call_site, between = user_site(_getframe(1))
         node = _current_autograd_node()
-        wants_grad = (not info.lifts and self._watch_inputs(args, kwargs)) or _is_grad_enabled()
-        site, module = call_site, self.modules.current()
+        wants_grad = False
+        if not info.lifts:
+            watches = self._watches
+            try:
+                for t in args if not kwargs else (*args, *kwargs.values()):
+                    if isinstance(t, _Tensor):
+                        if t.requires_grad:
+                            wants_grad = True
+                        storage = t.untyped_storage()
+                        if storage._cdata not in watches:
+                            self._watch_preexisting(t, storage)
+                    elif isinstance(t, (list, tuple)):
+                        wants_grad = self._watch_inputs(t) or wants_grad
+            except (RuntimeError, NotImplementedError, TypeError):
+                # sparse/nested/opaque tensors have no single storage: account what can be
+                wants_grad = self._watch_inputs((*args, *kwargs.values()))
+        site, module = call_site, self.modules.path
         node_name = None
         if node is not None or between == ENGINE:
             phase = "backward"
@@ -127,15 +164,13 @@ class Recorder(TorchDispatchMode):
         elif between == OPTIMIZER:
             phase = "other"
         else:
-            phase = "forward" if wants_grad else "other"
+            phase = "forward" if wants_grad or _is_grad_enabled() else "other"
         self._last_phase = phase
 
         ops = self.trace.ops
         op = OpCall(len(ops), next(self._clock), info.name, phase, site, node_name, module)
         ops.append(op)
-        written = None
-        if info.written_args or info.written_kwargs:
-            written = self._written_sizes(info, args, kwargs)
+        written = self._written_sizes(info, args, kwargs) if info.writes else None
 
         try:
             out = func(*args, **kwargs)
@@ -147,24 +182,24 @@ class Recorder(TorchDispatchMode):
             self._record_resizes(written, op, call_site)
         if info.lifts:
             self._record_lifted(args, op, call_site)
-        stamp = phase == "forward" and wants_grad
-        for t in _tensors(out):
+        stamp = phase == "forward" and (wants_grad or _is_grad_enabled())
+        for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
             self._record_output(t, op, call_site)
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending.append((weakref.ref(t), site, module))
         return out
 
-    def _watch_inputs(self, args: Any, kwargs: Any) -> bool:
+    def _watch_inputs(self, values: Any) -> bool:
         """Start watching input storages not seen before; True if any input requires grad."""
         wants_grad = False
         watches = self._watches
-        for t in _tensors(args) if not kwargs else _tensors([args, list(kwargs.values())]):
+        for t in _tensors(values):
             if t.requires_grad:
                 wants_grad = True
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
-                continue  # sparse/nested/opaque tensors have no single storage to account
+                continue
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
         return wants_grad
@@ -188,30 +223,33 @@ class Recorder(TorchDispatchMode):
                 self._start_watch(storage, self._new_allocation(t, storage.nbytes(), op, call_site))
 
     def _new_allocation(self, t: torch.Tensor, nbytes: int, op: OpCall, call_site: Site | None) -> Allocation:
+        allocations = self.trace.allocations
         alloc = Allocation(
-            id=len(self.trace.allocations),
-            bytes=nbytes,
-            dtype=str(t.dtype).removeprefix("torch."),
-            shape=tuple(t.shape),
-            device=str(t.device),
-            op=op.op,
-            phase=op.phase,
-            alloc_tick=next(self._clock),
-            site=op.site,
-            call_site=call_site if call_site is not op.site else None,
-            node=op.node,
-            module=op.module,
+            len(allocations),
+            nbytes,
+            _dtype_name(t.dtype),
+            tuple(t.shape),
+            _device_name(t.device),
+            op.op,
+            op.phase,
+            next(self._clock),
+            None,
+            None,
+            op.site,
+            call_site if call_site is not op.site else None,
+            op.node,
+            op.module,
         )
-        self.trace.allocations.append(alloc)
+        allocations.append(alloc)
         return alloc
 
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
         alloc = Allocation(
             id=len(self.trace.allocations),
             bytes=storage.nbytes(),
-            dtype=str(t.dtype).removeprefix("torch."),
+            dtype=_dtype_name(t.dtype),
             shape=tuple(t.shape),
-            device=str(t.device),
+            device=_device_name(t.device),
             op="(before the region)",
             phase="other",
             alloc_tick=-1,
@@ -283,17 +321,20 @@ class Recorder(TorchDispatchMode):
     def pack_saved(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """saved_tensors_hooks pack: marks the storage as saved for backward.
 
-        Returns a detached alias, not ``t`` itself: holding ``t`` would tie the node to its own output
-        in a reference cycle the garbage collector cannot see. The version is kept so that unpacking
-        raises on an in-place change, as autograd does without hooks.
+        Returns a detached alias of a tensor that has a grad_fn, not ``t`` itself: holding ``t`` would
+        tie the node to its own output in a reference cycle the garbage collector cannot see. The
+        version is kept so that unpacking raises on an in-place change, as autograd does without hooks.
         """
         if self._pending:
             self._stamp_nodes()
-        self._quiet += 1
-        try:
-            alias = t.detach()
-        finally:
-            self._quiet -= 1
+        if t.grad_fn is None:
+            alias = t  # a leaf or a tensor outside autograd: no node to form a cycle with
+        else:
+            self._quiet += 1
+            try:
+                alias = t.detach()
+            finally:
+                self._quiet -= 1
         try:
             watch = self._watches.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError, TypeError):

@@ -11,6 +11,7 @@ from memtrim.bench.compare import compare
 from memtrim.capture.api import track
 from memtrim.cases.heads import head_results, head_results_broadcast
 from memtrim.report.units import format_bytes
+from memtrim.verify import verify
 
 
 def heads_demo(argv: Sequence[str] | None = None) -> int:
@@ -44,16 +45,11 @@ def heads_demo(argv: Sequence[str] | None = None) -> int:
         f"{format_bytes(top[0].bytes) if top else '0 B'}.\n"
     )
 
-    try:
-        from memtrim.verify import verify
-    except ImportError:
-        verify = None
-    if verify is not None:
-        print("3. Verify the rewrite against a float64 oracle:\n")
-        report = verify(head_results_broadcast, head_results, (z.detach()[:8], W_O.detach()[:, :, :32]))
-        print(report)
-        if not report.passed:
-            return 1
+    print("3. Verify the rewrite against a float64 oracle:\n")
+    report = verify(head_results_broadcast, head_results, (z.detach()[:8], W_O.detach()[:, :, :32]))
+    print(report)
+    if not report.passed:
+        return 1
 
     print("\n4. Side by side (A/B interleaved, medians):\n")
     result = compare(

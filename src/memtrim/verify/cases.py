@@ -17,17 +17,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 LAYOUTS = ("contiguous", "noncontiguous", "transposed", "expanded")
 DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_SEEDS = (0, 1, 2)
 
 InputBuilder = Callable[[torch.dtype, torch.device, int], Any]
-InputsSpec = Union[InputBuilder, Sequence[Any], torch.Tensor]
+InputsSpec = InputBuilder | Sequence[Any] | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,11 @@ class CaseInputs:
         return [i for i, rg in enumerate(self.requires_grad) if rg]
 
     def materialize(
-        self, *, layout: str | None = None, dtype: torch.dtype | None = None
+        self,
+        *,
+        layout: str | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> tuple[list[Any], list[tuple[int, torch.Tensor]]]:
         """Fresh leaves (new storage, so one run cannot change another's inputs) in the case's layout.
 
@@ -84,22 +88,34 @@ class CaseInputs:
         layout = layout or self.case.layout
         guards: list[tuple[int, torch.Tensor]] = []
         out: list[Any] = []
-        for i, (leaf, rg) in enumerate(zip(self.leaves, self.requires_grad)):
+        for i, (leaf, rg) in enumerate(zip(self.leaves, self.requires_grad, strict=True)):
             if not isinstance(leaf, torch.Tensor):
                 out.append(leaf)
                 continue
             t = leaf.detach()
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
+            if device is not None:
+                t = t.to(device)
             t, base = apply_layout(t, layout)
             if base is not None:
                 guards.append((i, base))
             out.append(t.requires_grad_(rg) if rg else t)
         return out, guards
 
+    @property
+    def names(self) -> list[str]:
+        return leaf_names(self.spec, "input")
+
     def args(self, leaves: list[Any]) -> tuple[Any, ...]:
         args = tree_unflatten(leaves, self.spec)
         return tuple(args)
+
+
+def leaf_names(spec: Any, prefix: str) -> list[str]:
+    """``output``, ``output[0]``, ``output['a']``: a readable name per leaf of a pytree spec."""
+    skeleton = tree_unflatten(list(range(spec.num_leaves)), spec)
+    return [f"{prefix}{keystr(path)}" for path, _ in tree_flatten_with_path(skeleton)[0]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -107,11 +123,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 _DTYPE_ALIASES = {
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}  # fmt: skip
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def parse_dtype(d: torch.dtype | str) -> torch.dtype:
@@ -120,7 +143,9 @@ def parse_dtype(d: torch.dtype | str) -> torch.dtype:
     try:
         return _DTYPE_ALIASES[d.lower().removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unknown dtype {d!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}") from None
+        raise ValueError(
+            f"unknown dtype {d!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}"
+        ) from None
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -181,13 +206,16 @@ class InputError(Exception):
     """The inputs of a case could not be built (bad builder, uncastable tensor)."""
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None, where: str) -> torch.Tensor:
+def _cast(
+    t: torch.Tensor, dtype: torch.dtype | None, where: str, given: torch.dtype | None = None
+) -> torch.Tensor:
     if dtype is None or not (t.is_floating_point() or t.is_complex()):
         return t
     if t.is_complex() and not dtype.is_complex:
         raise InputError(
-            f"{where} is {dtype_name(t.dtype)} and cannot be cast to {dtype_name(dtype)} without dropping its "
-            "imaginary part; pass dtypes= with complex dtypes, or a builder function that makes real inputs"
+            f"{where} is {dtype_name(given or t.dtype)} and cannot be cast to {dtype_name(dtype)} without "
+            "dropping its imaginary part; pass dtypes= with complex dtypes, or a builder function that "
+            "makes real inputs"
         )
     return t.to(dtype)
 
@@ -206,14 +234,14 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
     seed (standard normal) and rounded to the case dtype; integer, bool and non-tensor arguments are
     passed as given. A builder's tensors are used as returned (cast to the case dtype if they are not).
     """
-    dtype = case.dtype
+    dtype = torch.float32 if case.autocast else case.dtype
     if callable(spec) and not isinstance(spec, torch.Tensor):
         torch.manual_seed(case.seed)
         try:
             built = spec(dtype if dtype is not None else torch.float32, device, case.seed)
         except Exception as exc:
             raise InputError(
-                f"the inputs builder raised for {case.id}: {type(exc).__name__}: {exc}; fix the builder, or "
+                f"the inputs builder raised {type(exc).__name__}: {exc}; fix the builder, or "
                 f"leave {dtype_name(dtype) if dtype else 'this dtype'} out of dtypes= if the inputs do not "
                 "support it"
             ) from exc
@@ -230,7 +258,8 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
                 values = _random_like(x, case.seed, i)
-                fresh.append(_cast(values, dtype if dtype is not None else x.dtype, f"argument leaf {i}").to(device))
+                target = dtype if dtype is not None else x.dtype
+                fresh.append(_cast(values, target, f"argument leaf {i}", x.dtype).to(device))
             elif isinstance(x, torch.Tensor):
                 fresh.append(x.detach().clone().to(device))
             else:
@@ -241,7 +270,7 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
     ]  # canonical values carry no graph
     if case.layout == "expanded":
         fresh = [expanded_values(x) if isinstance(x, torch.Tensor) else x for x in fresh]
-    for i, (x, rg) in enumerate(zip(fresh, rgs)):
+    for i, (x, rg) in enumerate(zip(fresh, rgs, strict=True)):
         if rg and isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
             raise InputError(f"argument leaf {i} requires grad but is {dtype_name(x.dtype)}; only floats can")
     return CaseInputs(case, fresh, tspec, rgs)

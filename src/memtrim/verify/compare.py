@@ -39,6 +39,7 @@ class Quantity:
     norm_err: float | None = None
     norm_err_orig: float | None = None
     gamma_n: float | None = None
+    bound: float | None = None
     n_max: int | None = None
     u_out: float | None = None
     u_acc: float | None = None
@@ -75,7 +76,10 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def check_meta(name: str, cand: Any, ref: Any) -> str | None:
     """Type, dtype and shape agreement; the message (naming the fix) when they differ."""
     if not isinstance(cand, torch.Tensor):
-        return f"candidate {name} is a {type(cand).__name__}, not a tensor like the reference's"
+        return (
+            f"candidate {name} is {type(cand).__name__!r}, not a tensor like the reference's; verify "
+            "compares tensors: make both callables return tensors in the same places"
+        )
     if cand.dtype != ref.dtype:
         return (
             f"candidate {name} is {_dt(cand.dtype)} where the reference's is {_dt(ref.dtype)}: the candidate "
@@ -97,7 +101,9 @@ def compare_exact(name: str, kind: str, cand: torch.Tensor, ref: torch.Tensor) -
     """``torch.equal`` on values (NaN in the same places); the offending indices and values if not."""
     eq = same_values(cand, ref)
     bad = (~eq).reshape(-1).nonzero().reshape(-1)
-    q = Quantity(name, kind, passed=bad.numel() == 0, rule="exact", exact=bad.numel() == 0, numel=cand.numel())
+    q = Quantity(
+        name, kind, passed=bad.numel() == 0, rule="exact", exact=bad.numel() == 0, numel=cand.numel()
+    )
     if bad.numel() == 0:
         return q
     q.n_differ = int(bad.numel())
@@ -110,8 +116,9 @@ def compare_exact(name: str, kind: str, cand: torch.Tensor, ref: torch.Tensor) -
         )
     first = q.offending[0]
     q.message = (
-        f"{name} is not bit-exact: {q.n_differ} of {q.numel} elements differ (max |diff| {q.max_abs_diff:.3g}); "
-        f"first at {first['index']}: candidate {first['candidate']!r} vs reference {first['reference']!r}"
+        f"{name} is not bit-exact: {q.n_differ} of {q.numel} elements differ "
+        f"(max |diff| {q.max_abs_diff:.3g}); first at {first['index']}: candidate {first['candidate']!r} "
+        f"vs reference {first['reference']!r}"
     )
     return q
 
@@ -165,10 +172,12 @@ def compare_reference(
             q.norm_err_orig = float((orig_err[pos] / s[pos]).nan_to_num(nan=float("inf")).max())
         q.n_max = int(n.max())
         q.gamma_n = gamma(q.n_max, case_r.u_acc)
+        # Worst case for a correct implementation: accumulation (gamma_n) plus the final rounding.
+        q.bound = q.gamma_n + out_r.u * (1.0 + q.gamma_n)
     else:
         # Elements where the original overflowed (or is NaN) are not held against the candidate's max.
         orig_ok = o64.isfinite()
-        top = tensorwise_budget(orig_err[finite & orig_ok], oracle[finite], k=k, u_out=out_r.u)
+        top = tensorwise_budget(orig_err[finite & orig_ok], oracle, k=k, u_out=out_r.u)
         budget = torch.where(orig_ok, torch.full_like(err, top), torch.full_like(err, float("inf")))
         q.rule = "k-times rule on maxima (no S)"
     ok = torch.where(finite, err <= budget, nonfinite_ok)  # NaN error compares False: fails

@@ -79,7 +79,7 @@ class _Ctx:
 
 Rule = Callable[[_Ctx, Any, tuple[Any, ...], dict[str, Any]], Any]
 ABS_RULES: dict[Any, Rule] = {}
-"""``aten`` op packet -> rule computing the op on absolute values (or counts). See :func:`register_abs_rule`."""
+"""``aten`` op packet -> rule evaluating the op on absolute values (or counts); see register_abs_rule."""
 
 
 def register_abs_rule(*packets: Any) -> Callable[[Rule], Rule]:
@@ -94,20 +94,65 @@ def register_abs_rule(*packets: Any) -> Callable[[Rule], Rule]:
 
 
 _VIEWS = (
-    aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
-    aten.permute, aten.transpose, aten.t, aten.expand, aten.select, aten.slice, aten.as_strided,
-    aten.alias, aten.detach, aten.unbind, aten.split, aten.split_with_sizes, aten.unsafe_split,
-    aten.chunk, aten.diagonal, aten.unfold, aten.narrow, aten.movedim, aten.flatten, aten.unflatten,
-)  # fmt: skip
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten._reshape_alias,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.permute,
+    aten.transpose,
+    aten.t,
+    aten.expand,
+    aten.select,
+    aten.slice,
+    aten.as_strided,
+    aten.alias,
+    aten.detach,
+    aten.unbind,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unsafe_split,
+    aten.chunk,
+    aten.diagonal,
+    aten.unfold,
+    aten.narrow,
+    aten.movedim,
+    aten.flatten,
+    aten.unflatten,
+)
 _MOVES = (
-    aten.clone, aten._to_copy, aten.copy_, aten.lift_fresh, aten.lift_fresh_copy, aten.contiguous,
-    aten.repeat, aten.flip, aten.roll, aten.index_select, aten.gather, aten.index, aten.take,
-    aten.embedding, aten.unsqueeze_, aten.squeeze_, aten.t_, aten.transpose_, aten.is_same_size,
-)  # fmt: skip
+    aten.clone,
+    aten._to_copy,
+    aten.copy_,
+    aten.lift_fresh,
+    aten.lift_fresh_copy,
+    aten.contiguous,
+    aten.repeat,
+    aten.flip,
+    aten.roll,
+    aten.index_select,
+    aten.gather,
+    aten.index,
+    aten.take,
+    aten.embedding,
+    aten.unsqueeze_,
+    aten.squeeze_,
+    aten.t_,
+    aten.transpose_,
+    aten.is_same_size,
+)
 _CREATE = (
-    aten.zeros, aten.zeros_like, aten.new_zeros, aten.empty, aten.empty_like, aten.new_empty,
-    aten.new_empty_strided, aten.empty_strided, aten.zero_,
-)  # fmt: skip
+    aten.zeros,
+    aten.zeros_like,
+    aten.new_zeros,
+    aten.empty,
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.empty_strided,
+    aten.zero_,
+)
 
 
 @register_abs_rule(*_VIEWS, *_MOVES)
@@ -132,12 +177,38 @@ def _fill(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 
 @register_abs_rule(
-    aten.sum, aten.cumsum, aten.cat, aten.stack, aten.mm, aten.bmm, aten.mv, aten.dot, aten.matmul,
-    aten.einsum, aten.addmm, aten.addbmm, aten.baddbmm, aten.addmv, aten.addr, aten.outer, aten.linear,
-    aten.index_put, aten.index_add, aten.scatter_add, aten.embedding_dense_backward, aten.select_backward,
-    aten.slice_backward, aten.diagonal_backward, aten.unfold_backward, aten.as_strided_scatter,
-    aten.slice_scatter, aten.select_scatter, aten.diagonal_scatter, aten.tensordot, aten.trace,
-)  # fmt: skip
+    aten.sum,
+    aten.cumsum,
+    aten.cat,
+    aten.stack,
+    aten.mm,
+    aten.bmm,
+    aten.mv,
+    aten.dot,
+    aten.matmul,
+    aten.einsum,
+    aten.addmm,
+    aten.addbmm,
+    aten.baddbmm,
+    aten.addmv,
+    aten.addr,
+    aten.outer,
+    aten.linear,
+    aten.index_put,
+    aten.index_add,
+    aten.scatter_add,
+    aten.embedding_dense_backward,
+    aten.select_backward,
+    aten.slice_backward,
+    aten.diagonal_backward,
+    aten.unfold_backward,
+    aten.as_strided_scatter,
+    aten.slice_scatter,
+    aten.select_scatter,
+    aten.diagonal_scatter,
+    aten.tensordot,
+    aten.trace,
+)
 def _multilinear(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # Sums and products of their tensor operands; numbers in positional slots are dims or sizes here.
     kw = {k: ctx.coef(v) if k in ("alpha", "beta") else v for k, v in kwargs.items()}
@@ -199,10 +270,18 @@ def _pad(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 _INPLACE = {
-    aten.add_: aten.add, aten.sub_: aten.sub, aten.mul_: aten.mul, aten.div_: aten.div, aten.neg_: aten.neg,
-    aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm, aten.cumsum_: aten.cumsum,
-    aten.index_put_: aten.index_put, aten.index_add_: aten.index_add, aten.scatter_add_: aten.scatter_add,
-}  # fmt: skip
+    aten.add_: aten.add,
+    aten.sub_: aten.sub,
+    aten.mul_: aten.mul,
+    aten.div_: aten.div,
+    aten.neg_: aten.neg,
+    aten.addmm_: aten.addmm,
+    aten.baddbmm_: aten.baddbmm,
+    aten.cumsum_: aten.cumsum,
+    aten.index_put_: aten.index_put,
+    aten.index_add_: aten.index_add,
+    aten.scatter_add_: aten.scatter_add,
+}
 
 
 def _inplace(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

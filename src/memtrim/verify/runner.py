@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 import os
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -76,7 +79,7 @@ def run_callable(
     grad_outputs: Callable[[list[Any]], list[torch.Tensor | None]] | None,
     directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None = None,
     guards: Sequence[tuple[int, torch.Tensor]] = (),
-    forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> RunResult:
     """Call ``fn(*make_args(leaves))``, then backpropagate ``grad_outputs(outputs)`` into the diff leaves.
 
@@ -98,7 +101,7 @@ def run_callable(
     if grad_outputs is not None and diff_leaves:
         ups = grad_outputs(res.outputs)
         pairs = []
-        for j, (o, g) in enumerate(zip(res.outputs, ups)):
+        for j, (o, g) in enumerate(zip(res.outputs, ups, strict=False)):
             if g is None:
                 continue
             if not (isinstance(o, torch.Tensor) and o.requires_grad):
@@ -126,7 +129,9 @@ def run_callable(
     if res.grads is not None:
         res.grads = [g.detach() if g is not None else None for g in res.grads]
     res.mutated = [
-        i for i, (x, v) in enumerate(zip(leaves, versions)) if isinstance(x, torch.Tensor) and x._version != v
+        i
+        for i, (x, v) in enumerate(zip(leaves, versions, strict=True))
+        if isinstance(x, torch.Tensor) and x._version != v
     ]
     res.poisoned = [i for i, buf in guards if not _poison_intact(buf)]
     return res
@@ -140,7 +145,7 @@ def _second_order(
     assert res.grads is not None
     dirs = directions(res.grads)
     terms = []
-    for k, (g, v) in enumerate(zip(res.grads, dirs)):
+    for k, (g, v) in enumerate(zip(res.grads, dirs, strict=False)):
         if g is None or v is None:
             continue
         if not g.requires_grad:
@@ -153,7 +158,9 @@ def _second_order(
     try:
         res.grads2 = [
             None if h is None else h.detach()
-            for h in torch.autograd.grad(sum(terms), diff_leaves, allow_unused=True)
+            for h in torch.autograd.grad(
+                functools.reduce(operator.add, terms), diff_leaves, allow_unused=True
+            )
         ]
     except Exception as exc:
         res.error = _error("second-order backward", exc)
@@ -206,5 +213,5 @@ def format_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             v = n / scale
-            return f"{sign}{v:.1f} {unit}" if v < 100 else f"{sign}{v:.0f} {unit}"
+            return f"{sign}{v:.1f} {unit}" if v < 10 else f"{sign}{v:.0f} {unit}"
     return f"{sign}{int(n)} B"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 
@@ -23,9 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         default = getattr(defaults, f.name)
         p.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=type(default),
+            type=float if f.name == "lr" else type(default),
             default=default,
-            help=f"default: {default}",
+            help="default: 1e-3 for lion, 1e-2 for adam" if f.name == "lr" else f"default: {default}",
         )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--export", metavar="PATH", help="save the packed 2-bit codes and scales (torch.save)")
@@ -40,18 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if summary["config"] and _is_rank0():
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the same summary
         if args.json:
             print(json.dumps(summary, sort_keys=True))
         else:
             _print_summary(summary)
     return 0
-
-
-def _is_rank0() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 def _print_summary(s: dict[str, object]) -> None:
@@ -61,7 +56,10 @@ def _print_summary(s: dict[str, object]) -> None:
         f"GSQ 2-bit, MLP block {cfg['hidden']}x{cfg['intermediate']}, group {cfg['group_size']}, "
         f"{cfg['steps']} steps ({cfg['optimizer']}), {s['world_size']} process(es), {s['seconds']} s"
     )
-    print(f"  block-output MSE   calibration      held-out     (target mean square {s['target_mean_square']:.4g})")
+    print(
+        "  block-output MSE   calibration      held-out     "
+        f"(target mean square {s['target_mean_square']:.4g})"
+    )
     print(f"  GSQ hard 2-bit     {s['hard_mse']:<16.6g} {s['heldout_hard_mse']:.6g}")
     print(f"  RTN 2-bit          {s['rtn_mse']:<16.6g} {s['heldout_rtn_mse']:.6g}")
     print(f"  hard weights sha256 {s['hard_weights_sha256'][:16]}…")  # type: ignore[index]

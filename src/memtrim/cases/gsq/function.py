@@ -50,28 +50,37 @@ def default_generator(device: torch.device) -> torch.Generator:
             "run GumbelQuantizer2Bit on cpu or cuda"
         )
     index = device.index if device.index is not None else module.current_device()
-    return generators[index]  # type: ignore[no-any-return]
+    generator: torch.Generator = generators[index]
+    return generator
 
 
-def _draw_uniform(like: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
-    if state is None:
+def _draw_uniform(like: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+    """The forward's draw (``replay=None``: from the device's global generator, advancing it, as
+    ``rand_like`` would) or its replay from the state captured just before it."""
+    if replay is None:
         return torch.rand(like.shape, dtype=like.dtype, device=like.device)
     # A private generator set to the forward's state: the global generator is neither read nor advanced,
     # which also keeps replay safe on autograd's CUDA worker threads (fork_rng would swap global state).
     gen = torch.Generator(device=like.device)
-    gen.set_state(state)
+    gen.set_state(replay)
     return torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=gen)
 
 
 def _group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    return x.view(x.shape[0], x.shape[1] // group_size, group_size)
+    # reshape, not view: an incoming gradient may be a transposed (non-contiguous) tensor.
+    return x.reshape(x.shape[0], x.shape[1] // group_size, group_size)
+
+
+def _scale_per_col(scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    # GSQ's scales[:, idx]: the same (out, in) copy, built without advanced indexing, which fake CUDA
+    # tensors cannot run on a CPU-only build of torch.
+    return scales.unsqueeze(-1).expand(*scales.shape, group_size).reshape(scales.shape[0], -1)
 
 
 def _scale_columns(x: torch.Tensor, scales: torch.Tensor, group_size: int, variant: str) -> torch.Tensor:
-    """``x * scales[:, idx].to(x.dtype)`` with ``idx = arange(in) // group_size``."""
+    """``x * scales[:, idx].to(x.dtype)``, ``idx = arange(in) // group_size`` being each column's group."""
     if variant == "original":
-        idx = torch.arange(x.shape[1], device=x.device) // group_size
-        return x * scales[:, idx].to(x.dtype)
+        return x * _scale_per_col(scales, group_size).to(x.dtype)
     # Same products of the same pairs, without materialising the (out, in) expanded scales.
     return (_group_view(x, group_size) * scales.to(x.dtype).unsqueeze(-1)).view(x.shape)
 
@@ -79,21 +88,21 @@ def _scale_columns(x: torch.Tensor, scales: torch.Tensor, group_size: int, varia
 def _soft_assignment(
     logits: torch.Tensor,
     values: torch.Tensor,
-    state: torch.Tensor | None,
+    replay: torch.Tensor | None,
     temperature: float,
     scale: float,
     variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw (or redraw) the noise and return ``(soft_quant (4, out, in), soft_output (out, in))``."""
+    """Draw (``replay=None``) or redraw the noise; return ``soft_quant`` (4, out, in), ``soft_output``."""
     dtype = values.dtype
     if variant == "original":
-        u = _draw_uniform(logits, state)
+        u = _draw_uniform(logits, replay)
         noise = -torch.log(-torch.log(u + _EPS) + _EPS).to(dtype)
         soft_quant = F.softmax((logits.to(dtype) * scale + noise) / temperature, dim=0)
         soft_output = (soft_quant * values.view(4, 1, 1)).sum(dim=0)
         return soft_quant, soft_output
     # The uniform sample becomes the noise in its own buffer; no name outlives its last read.
-    noise = _draw_uniform(logits, state).add_(_EPS).log_().neg_().add_(_EPS).log_().neg_().to(dtype)
+    noise = _draw_uniform(logits, replay).add_(_EPS).log_().neg_().add_(_EPS).log_().neg_().to(dtype)
     z = logits.to(dtype)
     z = z * scale if z is logits else z.mul_(scale)
     z.add_(noise)
@@ -112,7 +121,7 @@ class GumbelSoftmax2Bit(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         logits: torch.Tensor,
         scales: torch.Tensor,
@@ -123,7 +132,7 @@ class GumbelSoftmax2Bit(torch.autograd.Function):
         variant: str,
     ) -> torch.Tensor:
         state = None if _is_fake(logits) else default_generator(logits.device).get_state()
-        soft_quant, soft_output = _soft_assignment(logits, values, state, temperature, scale, variant)
+        soft_quant, soft_output = _soft_assignment(logits, values, None, temperature, scale, variant)
         del soft_quant
         ctx.save_for_backward(logits, scales, values)
         ctx.rng_state = state  # type: ignore[attr-defined]
@@ -137,16 +146,19 @@ class GumbelSoftmax2Bit(torch.autograd.Function):
         group_size, temperature, scale, variant = ctx.config
         state = ctx.rng_state
         if variant == "original":
-            grads = _backward_original(grad_output, logits, scales, values, state, group_size, temperature, scale)
+            grads = _backward_original(
+                grad_output, logits, scales, values, state, group_size, temperature, scale
+            )
         else:
             grads = _backward_lean(grad_output, logits, scales, values, state, group_size, temperature, scale)
         return (*grads, None, None, None, None, None)
 
 
-def _grad_scales(g_scale_per_col: torch.Tensor, group_size: int) -> torch.Tensor:
+def _grad_scales(g_scale_per_col: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     # GSQ used scatter_add_ over idx; on CUDA that is atomics and not bitwise reproducible. Groups are
-    # contiguous columns, so a grouped sum is the same sum in a fixed order on every device.
-    return _group_view(g_scale_per_col.float(), group_size).sum(dim=-1)
+    # contiguous columns, so a grouped sum is the same sum in a fixed order on every device. Both variants
+    # share this expression: a reduction's order may depend on its input dtype, so its input must match too.
+    return _group_view(g_scale_per_col.to(scales.dtype), group_size).sum(dim=-1)
 
 
 def _backward_original(
@@ -167,11 +179,10 @@ def _backward_original(
     soft_quant = F.softmax((logits.to(dtype) * scale + noise) / temperature, dim=0)
     soft_output = (soft_quant * values.view(4, 1, 1)).sum(dim=0)
 
-    idx = torch.arange(logits.shape[2], device=logits.device) // group_size
-    scale_per_col = scales[:, idx].to(dtype)
+    scale_per_col = _scale_per_col(scales, group_size).to(dtype)
 
     g_scale_per_col = grad_output * soft_output
-    grad_scales = _grad_scales(g_scale_per_col, group_size)
+    grad_scales = _grad_scales(g_scale_per_col, scales, group_size)
 
     g_soft_output = grad_output * scale_per_col
     g_q = g_soft_output.unsqueeze(0) * values.view(4, 1, 1)
@@ -196,7 +207,7 @@ def _backward_lean(
 
     g_scale_per_col = grad_output * soft_output
     del soft_output
-    grad_scales = _grad_scales(g_scale_per_col, group_size)
+    grad_scales = _grad_scales(g_scale_per_col, scales, group_size)
     del g_scale_per_col
 
     g_soft_output = _scale_columns(grad_output, scales, group_size, "lean")

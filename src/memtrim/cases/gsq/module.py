@@ -39,15 +39,18 @@ class GumbelQuantizer2Bit(nn.Module):
         _check_shapes(weight, scales, group_size)
         logits_dtype = weight.dtype if logits_dtype is None else logits_dtype
         if not logits_dtype.is_floating_point:
-            raise ValueError(f"logits_dtype must be a floating dtype such as torch.float32; got {logits_dtype}")
+            raise ValueError(
+                f"logits_dtype must be a floating dtype such as torch.float32; got {logits_dtype}"
+            )
         self.group_size = group_size
         out_features, in_features = weight.shape
         self.weight_shape = (out_features, in_features)
 
         with torch.no_grad():
             codes = torch.tensor(CODES, dtype=weight.dtype, device=weight.device)
-            idx = torch.arange(in_features, device=weight.device) // group_size
-            q = weight / scales[:, idx]
+            # GSQ's W / scales[:, idx] as a broadcast: the same quotients (advanced indexing would also
+            # fail on fake CUDA tensors in a CPU-only torch).
+            q = (weight.view(out_features, -1, group_size) / scales.unsqueeze(-1)).view(weight.shape)
             # Logits favour the codes near W / scale: a centred Gaussian log-likelihood, plus init noise.
             logits = -0.5 * (q.unsqueeze(0) - codes.view(4, 1, 1)) ** 2
             logits = logits - logits.mean(dim=0, keepdim=True)
@@ -88,7 +91,8 @@ class GumbelQuantizer2Bit(nn.Module):
     @torch.no_grad()
     def hard_weights(self) -> torch.Tensor:
         """The exported 2-bit weight: argmax code times its group's scale, in the compute dtype."""
-        codes = self.values[self.quant_logits.argmax(dim=0)]
+        # values[argmax] without indexing: the codes are -2, -1, 0, 1 = index - 2, exact in every float dtype.
+        codes = (self.quant_logits.argmax(dim=0) - 2).to(self.values.dtype)
         scales = self.scales.to(codes.dtype)
         return (codes.view(self.out_features, -1, self.group_size) * scales.unsqueeze(-1)).view(codes.shape)
 
@@ -118,7 +122,9 @@ def _check_shapes(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -
             "group_size)"
         )
     if scales.device != weight.device:
-        raise ValueError(f"scales are on {scales.device} but weight is on {weight.device}; move them together")
+        raise ValueError(
+            f"scales are on {scales.device} but weight is on {weight.device}; move them together"
+        )
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -128,7 +134,9 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     """Pack int8 codes in ``{-2, -1, 0, 1}`` four to a byte (last dim must divide by 4)."""
     if codes.shape[-1] % 4 != 0:
-        raise ValueError(f"the last dimension ({codes.shape[-1]}) must be a multiple of 4 to pack 2-bit codes")
+        raise ValueError(
+            f"the last dimension ({codes.shape[-1]}) must be a multiple of 4 to pack 2-bit codes"
+        )
     u = (codes.to(torch.int16) + 2).to(torch.uint8).view(*codes.shape[:-1], -1, 4)
     return u[..., 0] | (u[..., 1] << 2) | (u[..., 2] << 4) | (u[..., 3] << 6)
 

@@ -1,0 +1,110 @@
+"""Tracking overhead: untracked vs memtrim.track() vs torch.profiler, A/B/C interleaved, medians.
+
+    python bench/overhead.py [--repeats N]
+
+Targets (issue 2): at most 1.10x on the head-results workload, at most 3x on the op-heavy
+small-tensor workload, where torch.profiler (profile_memory, with_stack, record_shapes) costs ~10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import memtrim
+from memtrim.cases.heads import head_results
+
+
+def heads_workload() -> Callable[[], None]:
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(512, 12, 64, generator=gen, requires_grad=True)
+    W_O = torch.randn(12, 64, 768, generator=gen, requires_grad=True)
+
+    def step() -> None:
+        z.grad = W_O.grad = None
+        head_results(z, W_O).square().sum().backward()
+
+    return step
+
+
+def op_heavy_workload() -> Callable[[], None]:
+    torch.manual_seed(0)
+    width = 64
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width))
+            for _ in range(24)
+        ]
+    )
+    x = torch.randn(8, width)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    return step
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(step: Callable[[], None], repeats: int) -> dict[str, float]:
+    def tracked() -> None:
+        with memtrim.track():
+            step()
+
+    def profiled() -> None:
+        with profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True, record_shapes=True
+        ):
+            step()
+
+    runs: dict[str, tuple[Callable[[], None], list[float]]] = {
+        "untracked": (step, []),
+        "memtrim": (tracked, []),
+        "profiler": (profiled, []),
+    }
+    for fn, _ in runs.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for fn, times in runs.values():
+            times.append(timed(fn))
+    return {name: statistics.median(times) for name, (_, times) in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.repeats} interleaved runs each\n"
+    )
+    print("| workload | untracked | memtrim.track | ratio | torch.profiler | ratio | target |")
+    print("|---|---|---|---|---|---|---|")
+    for name, make, target in [
+        ("head results, GPT-2 small, 512 tokens, fwd+bwd (einsum)", heads_workload, 1.10),
+        ("24 x Linear/GELU/LayerNorm, batch 8, width 64, fwd+bwd", op_heavy_workload, 3.0),
+    ]:
+        m = measure(make(), args.repeats)
+        base = m["untracked"]
+        ours, prof = m["memtrim"] / base, m["profiler"] / base
+        verdict = "met" if ours <= target else "MISSED"
+        print(
+            f"| {name} | {base * 1e3:.2f} ms | {m['memtrim'] * 1e3:.2f} ms | {ours:.2f}x | "
+            f"{m['profiler'] * 1e3:.2f} ms | {prof:.2f}x | <= {target}x {verdict} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+"""One case of the matrix: run both callables, check structure and side effects, then compare."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from memtrim.verify.cases import (
+    Case,
+    CaseInputs,
+    InputError,
+    InputsSpec,
+    apply_layout,
+    build_inputs,
+    dtype_name,
+    expanded_values,
+    leaf_names,
+    upstream_like,
+)
+from memtrim.verify.compare import BudgetInputs, check_meta, compare_exact, compare_reference
+from memtrim.verify.derive import Derived, Upstream, derive, run_oracle
+from memtrim.verify.report import CaseResult, Failure
+from memtrim.verify.runner import RunResult, measure, run_callable
+from memtrim.verify.tolerances import NoRoundingRule
+
+INPLACE_HINT = (
+    "an in-place op overwrote a tensor that autograd saved for backward; clone it before modifying it, or "
+    "keep the out-of-place op"
+)
+
+
+@dataclass
+class Settings:
+    reference: Callable[..., Any]
+    candidate: Callable[..., Any]
+    mode: str
+    grads: bool
+    second_order: bool
+    device: torch.device
+    oracle_device: torch.device
+    abs_reference: Callable[..., Any] | None
+    reduction_length: int | None
+    c: float
+    memory: bool
+    oracle_cache: dict[Any, tuple[RunResult, Derived | None]] = field(default_factory=dict)
+    count_cache: dict[Any, RunResult] = field(default_factory=dict)
+    no_s_reasons: dict[str, str] = field(default_factory=dict)
+
+
+def run_case(st: Settings, case: Case, spec: InputsSpec) -> tuple[CaseResult, list[Failure]]:
+    t0 = time.perf_counter()
+    res = CaseResult(case)
+    fails: list[Failure] = []
+
+    def fail(what: str, kind: str, message: str, **details: Any) -> None:
+        fails.append(Failure(case.id, what, kind, f"{message} (case {case.id})", details))
+
+    try:
+        _run_case(st, case, spec, res, fail)
+    except InputError as exc:
+        fail("inputs", "inputs", str(exc))
+    except NoRoundingRule as exc:
+        fail("budget", "budget", str(exc))
+    if fails:
+        res.status = "failed"
+        res.note = res.note or fails[0].what
+    res.seconds = time.perf_counter() - t0
+    return res, fails
+
+
+def _forward_context(case: Case, device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
+    if not case.autocast:
+        return contextlib.nullcontext
+    assert case.dtype is not None
+    dtype = case.dtype
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail: Callable[..., None]) -> None:
+    inputs = build_inputs(spec, case, st.device)
+    fwd = _forward_context(case, st.device)
+    canon = Upstream(None, None)
+
+    def laid(ts: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        return None if ts is None else [None if t is None else apply_layout(t, case.layout)[0] for t in ts]
+
+    def make_grads(outs: list[Any]) -> list[torch.Tensor | None]:
+        gs = [
+            upstream_like(o, case.seed, j) if isinstance(o, torch.Tensor) and o.requires_grad else None
+            for j, o in enumerate(outs)
+        ]
+        if case.layout == "expanded":
+            gs = [None if g is None else expanded_values(g) for g in gs]
+        canon.grads = gs
+        return laid(gs) or []
+
+    def make_dirs(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        ds = [None if g is None else upstream_like(g, case.seed, 100 + k) for k, g in enumerate(grads)]
+        if case.layout == "expanded":
+            ds = [None if d is None else expanded_values(d) for d in ds]
+        canon.dirs = ds
+        return laid(ds) or []
+
+    diff = inputs.diff_index if st.grads else []
+    leaves, guards = inputs.materialize()
+    orig = run_callable(
+        st.reference,
+        leaves,
+        inputs.args,
+        diff,
+        grad_outputs=make_grads if diff else None,
+        directions=make_dirs if diff and st.second_order else None,
+        guards=guards,
+        forward_context=fwd,
+    )
+    if orig.error is not None:
+        if case.layout != "contiguous":
+            res.status, res.note = (
+                "skipped",
+                f"reference rejects {case.layout} inputs: {orig.error.describe()}",
+            )
+            return
+        fail(
+            "reference",
+            "reference",
+            f"the reference raised {orig.error.describe()}; verify needs a reference "
+            "that runs on these inputs",
+        )
+        return
+    out_names = leaf_names(orig.spec, "output")
+    for name, o in zip(out_names, orig.outputs, strict=True):
+        if not isinstance(o, torch.Tensor):
+            fail(
+                name,
+                "output-type",
+                f"reference {name} is {_a(type(o).__name__)}, not a tensor; verify compares "
+                "tensors: make both callables return tensors only (wrap them to drop or tensorize the rest)",
+            )
+            return
+
+    leaves_c, guards_c = inputs.materialize()
+    cand = run_callable(
+        st.candidate,
+        leaves_c,
+        inputs.args,
+        diff,
+        grad_outputs=(lambda outs: laid(canon.grads) or []) if diff else None,
+        directions=(lambda gs: laid(canon.dirs) or []) if diff and st.second_order else None,
+        guards=guards_c,
+        forward_context=fwd,
+    )
+    if cand.error is not None:
+        hint = f"; {INPLACE_HINT}" if "modified by an inplace operation" in cand.error.message else ""
+        fail(
+            "candidate raised",
+            "exception",
+            f"the candidate raised {cand.error.describe()} (the reference did not){hint}",
+            error=cand.error.__dict__,
+        )
+        return
+    if cand.spec != orig.spec:
+        fail(
+            "structure",
+            "structure",
+            f"the candidate returned {_describe(cand)} but the reference returned "
+            f"{_describe(orig)}; make both callables return the same structure",
+        )
+        return
+    for name, o in zip(out_names, cand.outputs, strict=True):
+        if not isinstance(o, torch.Tensor):
+            fail(
+                name,
+                "output-type",
+                f"candidate {name} is {_a(type(o).__name__)}, not a tensor like the "
+                "reference's; make both callables return tensors in the same places",
+            )
+            return
+    if not _side_effects(inputs, orig, cand, case, fail):
+        return
+    pairs = _pairs(inputs, orig, cand, out_names, fail)
+    if st.memory:
+        res.memory_ref = _measure(st.reference, inputs, diff, canon, laid, fwd)
+        res.memory_cand = _measure(st.candidate, inputs, diff, canon, laid, fwd)
+    if not pairs:
+        return
+    exact_qs = [compare_exact(n, k, c, o) for n, k, c, o, _ in pairs] if st.mode != "reference" else []
+    if st.mode == "exact" or (exact_qs and all(q.passed for q in exact_qs)):
+        res.quantities = exact_qs
+        for q in exact_qs:
+            if not q.passed:
+                fail(
+                    q.name,
+                    "mismatch",
+                    f"{q.message}; mode='exact' demands bit-exact results (use "
+                    "mode='reference' to accept rounding differences)",
+                    offending=q.offending,
+                )
+        res.held = "exact" if all(q.passed for q in exact_qs) else None
+        return
+    _judge_reference(st, case, inputs, canon, orig, pairs, res, fail)
+
+
+def _side_effects(
+    inputs: CaseInputs, orig: RunResult, cand: RunResult, case: Case, fail: Callable[..., None]
+) -> bool:
+    names = inputs.names
+    ok = True
+    for i in sorted(set(cand.poisoned) - set(orig.poisoned)):
+        fail(
+            names[i],
+            "out-of-bounds write",
+            f"the candidate wrote into the hidden NaN slots around {names[i]} "
+            "(noncontiguous layout): it writes outside the tensor's view, ignoring its strides",
+        )
+        ok = False
+    for i in sorted(set(cand.mutated) - set(orig.mutated)):
+        fail(
+            names[i],
+            "mutation",
+            f"the candidate modifies {names[i]} in place (its version counter changed) "
+            "but the reference does not; clone it first, or the caller's tensor changes under them",
+        )
+        ok = False
+    out_names = leaf_names(orig.spec, "output")
+    for j in cand.detached:
+        fail(
+            out_names[j],
+            "detached",
+            f"candidate {out_names[j]} does not require grad but the reference's "
+            "does: the candidate cuts it from the autograd graph (.detach(), torch.no_grad(), .data or a "
+            "non-differentiable op), so no gradient flows to the inputs",
+        )
+        ok = False
+    for k in sorted(set(cand.not_differentiable) - set(orig.not_differentiable)):
+        name = names[inputs.diff_index[k]]
+        fail(
+            f"grad of {name}",
+            "detached",
+            f"the candidate's gradient of {name} cannot be differentiated "
+            "again while the reference's can: its backward is not built from differentiable ops",
+        )
+        ok = False
+    return ok
+
+
+def _pairs(
+    inputs: CaseInputs, orig: RunResult, cand: RunResult, out_names: list[str], fail: Callable[..., None]
+) -> list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]]:
+    """(name, kind, candidate, original, where-in-oracle) for every tensor to compare; meta failures."""
+    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]] = []
+    ok = True
+    for j, (name, c, o) in enumerate(zip(out_names, cand.outputs, orig.outputs, strict=True)):
+        msg = check_meta(name, c, o)
+        if msg:
+            fail(name, "meta", msg)
+            ok = False
+        else:
+            pairs.append((name, "output", c, o, ("outputs", j)))
+    names = inputs.names
+    for field_, kind, label in (("grads", "grad", "grad of"), ("grads2", "grad2", "2nd derivative of")):
+        og, cg = getattr(orig, field_), getattr(cand, field_)
+        if og is None or cg is None:
+            continue
+        for k, (o, c) in enumerate(zip(og, cg, strict=True)):
+            name = f"{label} {names[inputs.diff_index[k]]}"
+            if o is None and c is None:
+                continue
+            if c is None:
+                assert o is not None
+                if bool((o != 0).any()):
+                    fail(
+                        name,
+                        "no-grad",
+                        f"the candidate gives no {name} (None) but the reference's is "
+                        "nonzero: a .detach(), torch.no_grad() or .data in the candidate breaks the graph",
+                    )
+                    ok = False
+                    continue
+                c = torch.zeros_like(o)
+            if o is None:
+                o = torch.zeros_like(c)
+            msg = check_meta(name, c, o)
+            if msg:
+                fail(name, "meta", msg)
+                ok = False
+            else:
+                pairs.append((name, kind, c, o, (field_, k)))
+    return pairs if ok else []
+
+
+def _judge_reference(
+    st: Settings,
+    case: Case,
+    inputs: CaseInputs,
+    canon: Upstream,
+    orig: RunResult,
+    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]],
+    res: CaseResult,
+    fail: Callable[..., None],
+) -> None:
+    key = (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
+    cached = st.oracle_cache.get(key)
+    if cached is None:
+        oracle = run_oracle(st.reference, inputs, canon, st.oracle_device)
+        derived = None
+        if oracle.error is None:
+            derived = derive(
+                st.reference,
+                st.abs_reference,
+                st.reduction_length,
+                inputs,
+                canon,
+                st.oracle_device,
+                st.count_cache,
+            )
+        cached = (oracle, derived)
+        st.oracle_cache[key] = cached
+    oracle, derived = cached
+    if oracle.error is not None or derived is None:
+        err = oracle.error.describe() if oracle.error else "no oracle"
+        fail(
+            "oracle",
+            "reference",
+            f"the reference raised in float64 (the oracle): {err}; reference mode needs "
+            "a reference that runs in float64 (use mode='exact' otherwise)",
+        )
+        return
+    if derived.why_not:
+        st.no_s_reasons.setdefault(derived.why_not, case.id)
+    for name, kind, c, o, (field_, idx) in pairs:
+        ora = _get(oracle, field_, idx, o)
+        if ora.shape != o.shape:
+            fail(
+                name,
+                "reference",
+                f"the reference's float64 {name} has shape {tuple(ora.shape)}, not "
+                f"{tuple(o.shape)}: the reference behaves differently in float64",
+            )
+            continue
+        s = _get(derived.s, field_, idx, o) if derived.s else None
+        n = _get(derived.n, field_, idx, o) if derived.n else None
+        b = BudgetInputs(o, ora, s, n, derived.source, case.dtype, case.autocast)
+        q = compare_reference(name, kind, c, b, c=st.c, layout=case.layout)
+        res.quantities.append(q)
+        if not q.passed:
+            fail(name, "mismatch", q.message, offending=q.offending)
+    if all(q.passed for q in res.quantities):
+        res.held = "reference"
+
+
+def _get(r: RunResult | None, field_: str, idx: int, like: torch.Tensor) -> torch.Tensor:
+    seq = getattr(r, field_) if r is not None else None
+    t = seq[idx] if seq is not None and idx < len(seq) else None
+    if t is None:  # unused input: exactly zero
+        return torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    return t.detach()
+
+
+def _measure(
+    fn: Callable[..., Any],
+    inputs: CaseInputs,
+    diff: list[int],
+    canon: Upstream,
+    laid: Callable[[Any], Any],
+    fwd: Callable[[], AbstractContextManager[Any]],
+) -> Any:
+    leaves, _ = inputs.materialize()
+    grads, dirs = laid(canon.grads), laid(canon.dirs)
+    return measure(
+        lambda: run_callable(
+            fn,
+            leaves,
+            inputs.args,
+            diff,
+            grad_outputs=(lambda outs: list(grads)) if grads is not None else None,
+            directions=(lambda gs: list(dirs)) if dirs is not None else None,
+            forward_context=fwd,
+        )
+    )
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
+
+
+def _describe(r: RunResult) -> str:
+    tree = tree_unflatten(r.outputs, r.spec)
+    return _describe_tree(tree)
+
+
+def _describe_tree(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return "a single tensor"
+    if isinstance(x, (tuple, list)):
+        kinds = {type(v).__name__ for v in x}
+        what = "tensors" if kinds == {"Tensor"} else "items (" + ", ".join(sorted(kinds)) + ")"
+        return f"a {type(x).__name__} of {len(x)} {what}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    return f"a {type(x).__name__}"
+
+
+__all__ = ["Settings", "dtype_name", "run_case"]

@@ -1,0 +1,165 @@
+"""VerifyReport renderings, memory side by side, cancellation probes and the progress bar."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from memtrim.verify import CancellationProbe, VerifyReport, verify
+from memtrim.verify.runner import Memory, format_bytes
+
+FAST: dict[str, Any] = {"memory": False, "progress": False, "seeds": (0,), "dtypes": ("fp32", "bf16")}
+
+
+def broadcast(z: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return (z[..., None] * W).sum(-2)
+
+
+def einsum(z: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("...hd,hdm->...hm", z, W)
+
+
+def zw() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(6, 2, 8, requires_grad=True), torch.randn(2, 8, 5, requires_grad=True)
+
+
+@pytest.fixture(scope="module")
+def passing() -> VerifyReport:
+    return verify(broadcast, einsum, zw(), **FAST)
+
+
+@pytest.fixture(scope="module")
+def failing() -> VerifyReport:
+    return verify(broadcast, lambda z, W: einsum(z, W) * 1.01, zw(), **FAST)
+
+
+def test_json_round_trips_and_names_everything(passing: VerifyReport, failing: VerifyReport) -> None:
+    d = json.loads(passing.to_json())
+    assert d["schema"] == "memtrim.verify/1" and d["passed"] is True and d["failures"] == []
+    assert len(d["cases"]) == len(passing.cases) == 8
+    q = d["cases"][0]["quantities"][0]
+    assert {"name", "rule", "norm_err", "gamma_n", "assert_close", "n_max"} <= set(q)
+    f = json.loads(failing.to_json())
+    assert f["passed"] is False and f["failures"][0]["case"] == "float32/contiguous/seed=0"
+    assert f["failures"][0]["details"]["offending"][0]["index"] == list(
+        f["failures"][0]["details"]["offending"][0]["index"]
+    )
+
+
+def test_markdown_has_a_table_and_the_failures(failing: VerifyReport) -> None:
+    md = failing.to_markdown()
+    assert md.startswith("**memtrim.verify: FAILED**")
+    assert "| case | result | held |" in md and "| float32/contiguous/seed=0 | failed" in md
+    assert "Failures:" in md and "exceed the rounding budget" in md
+
+
+def test_terminal_table_and_summary(passing: VerifyReport) -> None:
+    text = passing.render(width=200)
+    assert "float32/noncontiguous/seed=0" in text and "PASSED: 8 cases ran (auto mode)" in text
+    assert str(passing) == passing.render()
+
+
+def test_assert_ok_names_the_first_failing_case_and_numbers(failing: VerifyReport) -> None:
+    with pytest.raises(AssertionError) as err:
+        failing.assert_ok()
+    msg = str(err.value)
+    assert msg.startswith("memtrim.verify failed in case float32/contiguous/seed=0: output:")
+    assert "|candidate - oracle|" in msg and "> budget" in msg and "more failures" in msg
+
+
+def test_failures_carry_offending_indices_and_values(failing: VerifyReport) -> None:
+    off = failing.failures[0].details["offending"][0]
+    assert set(off) == {"index", "candidate", "oracle", "original", "error", "budget"}
+    assert off["error"] > off["budget"]
+
+
+def test_per_case_assert_close_and_normalized_error(passing: VerifyReport) -> None:
+    for c in passing.cases:
+        for q in c.quantities:
+            if c.held == "reference":
+                assert q.assert_close is not None and q.norm_err is not None and q.gamma_n is not None
+
+
+def test_memory_side_by_side() -> None:
+    pytest.importorskip("memtrim.capture")
+    z, W = torch.randn(16, 4, 32, requires_grad=True), torch.randn(4, 32, 64, requires_grad=True)
+    r = verify(
+        broadcast, einsum, (z, W), dtypes=("fp32",), layouts=("contiguous",), seeds=(0,), progress=False
+    )
+    r.assert_ok()
+    ref, cand = r.cases[0].memory_ref, r.cases[0].memory_cand
+    assert isinstance(ref, Memory) and isinstance(cand, Memory)
+    assert ref.largest_temporary_bytes == 16 * 4 * 32 * 64 * 4  # the broadcast product
+    assert ref.largest_temporary_where is not None and "aten.mul" in ref.largest_temporary_where
+    assert cand.largest_temporary_bytes < ref.largest_temporary_bytes // 4
+    assert ref.peak_bytes > cand.peak_bytes
+    summary = r.summary()
+    assert "memory: equal results" in summary and "less at peak" in summary
+    assert json.loads(r.to_json())["cases"][0]["memory"]["reference"]["peak_bytes"] == ref.peak_bytes
+
+
+def test_format_bytes() -> None:
+    assert (
+        format_bytes(1_207_959_552) == "1.2 GB"
+        and format_bytes(18_874_368) == "19 MB"
+        and format_bytes(512) == "512 B"
+    )
+
+
+# -- cancellation probes ----------------------------------------------------------------------------
+def fp16_loop_sum(x: torch.Tensor) -> torch.Tensor:
+    acc = x[0]
+    for t in x[1:]:
+        acc = acc + t  # rounds each partial sum to fp16 before the terms can cancel
+    return acc
+
+
+def test_probe_catches_partial_sums_rounded_before_cancelling() -> None:
+    x = torch.tensor([2048.0, 1.0, 1.0, -2050.0], dtype=torch.float16)  # exact sum: 0
+    r = verify(
+        lambda x: x.sum(0), fp16_loop_sum, (torch.randn(4),), probes=[(x,)], **{**FAST, "dtypes": ("fp32",)}
+    )
+    assert all(c.status == "passed" for c in r.cases)  # four terms in fp32: within the budget
+    assert not r.passed and r.probes[0].passed is False and r.probes[0].original_passed is True
+    assert "residue where the exact value is zero" in r.failures[0].message
+    ok = verify(lambda x: x.sum(0), lambda x: x.flip(0).sum(0), (torch.randn(4),), probes=[(x,)], **FAST)
+    assert ok.passed and ok.probes[0].zeros == 1
+
+
+def test_probe_on_head_results_weight_gradient_fp16() -> None:
+    # Seed 001: the weight gradient sums over tokens; these contributions cancel exactly.
+    z = torch.tensor([2048.0, 1.0, 1.0, -2050.0], dtype=torch.float16).view(4, 1, 1).requires_grad_()
+    W = torch.ones(1, 1, 2, dtype=torch.float16, requires_grad=True)
+    probe = CancellationProbe(
+        (z, W), grad_outputs=[torch.ones(4, 1, 2, dtype=torch.float16)], name="fp16 W_O grad"
+    )
+    r = verify(broadcast, einsum, zw(), probes=[probe], **FAST)
+    r.assert_ok()
+    assert r.probes[0].zeros == 2 and "2 exact zeros kept" in r.probes[0].message
+
+
+def test_probe_without_any_exact_zero_is_an_error() -> None:
+    r = verify(lambda x: x * 2, lambda x: x * 2, (torch.randn(3),), probes=[(torch.ones(3),)], **FAST)
+    assert not r.passed and "has no element whose exact value is zero" in r.failures[0].message
+
+
+# -- progress bar -----------------------------------------------------------------------------------
+def test_progress_bar_off_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    verify(lambda x: x * 2, lambda x: x * 2, (torch.randn(3),), memory=False, seeds=(0,), dtypes=("fp32",))
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    verify(
+        lambda x: x * 2,
+        lambda x: x * 2,
+        (torch.randn(3),),
+        memory=False,
+        seeds=(0,),
+        dtypes=("fp32",),
+        progress=True,
+    )
+    assert "memtrim.verify" in capsys.readouterr().err
