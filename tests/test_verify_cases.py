@@ -211,3 +211,39 @@ def test_parse_dtype_aliases() -> None:
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("torch.float16") is torch.float16
     assert parse_dtype(torch.float64) is torch.float64
     assert math.isclose(torch.finfo(parse_dtype("fp32")).eps, 2.0**-23)
+
+
+def test_random_callables_draw_the_same_numbers_and_the_callers_rng_is_kept() -> None:
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, 0.5) * 2
+
+    def cand(x: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.nn.functional.dropout(x, 0.5)
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    r = verify(ref, cand, (x,), mode="exact", **{**FAST, "memory": True})
+    assert torch.equal(torch.random.get_rng_state(), before)
+    r.assert_ok()
+
+
+def test_builder_gets_dtype_device_and_seed() -> None:
+    calls: list[tuple[torch.dtype, str, int]] = []
+
+    def build(dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+        calls.append((dtype, str(device), seed))
+        return torch.randn(3, dtype=dtype, device=device)
+
+    r = verify(
+        torch.neg,
+        torch.neg,
+        build,
+        dtypes=("fp16",),
+        layouts=("contiguous",),
+        seeds=(4, 5),
+        device="cpu",
+        memory=False,
+        progress=False,
+    )
+    assert r.passed and calls == [(torch.float16, "cpu", 4), (torch.float16, "cpu", 5)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memtrim.analysis.diagnoses import diagnose
 from memtrim.analysis.timeline import find_peak, largest_temporaries, live_at_peak
 from memtrim.analysis.whatif import peak_without
 from memtrim.report.units import format_bytes, short_path
@@ -73,4 +74,16 @@ def render(trace: Trace, *, top: int = 5) -> str:
                 ]
             )
         out.extend(_table(rows, right={0, 1}))
+
+    findings = diagnose(trace)
+    if findings:
+        out.append("")
+        out.append("How to cut it:")
+        for d in findings[:top]:
+            out.append(
+                f"  - {_where(d.site)}: {d.problem}.\n"
+                f"    Fix: {d.advice}.\n"
+                f"    Peak without these {len(d.allocations)} allocation(s): {format_bytes(d.peak_after)} "
+                f"(-{format_bytes(peak.bytes - d.peak_after)})."
+            )
     return "\n".join(out)

@@ -154,9 +154,10 @@ class Trace:
         return render(self, top=top)
 
     def to_dict(self) -> dict[str, Any]:
-        from memtrim.trace.serialize import trace_to_dict
+        """The JSON form: the raw log plus derived figures (peak, temporaries, diagnoses)."""
+        from memtrim.report.json import trace_json
 
-        return trace_to_dict(self)
+        return trace_json(self)
 
     def save(self, path: str) -> None:
         from memtrim.trace.serialize import save

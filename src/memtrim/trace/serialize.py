@@ -34,7 +34,7 @@ def _site_table(trace: Trace) -> tuple[list[Site], dict[Site, int]]:
 
 
 def trace_to_dict(trace: Trace) -> dict[str, Any]:
-    """The trace as plain JSON data: the raw log plus a few derived figures for consumers."""
+    """The raw event log as plain JSON data (derived figures are added by memtrim.report.json)."""
     sites, index = _site_table(trace)
 
     def ref(site: Site | None) -> int | None:
@@ -43,17 +43,12 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
     def op_row(op: OpCall) -> list[Any]:
         return [op.seq, op.tick, op.op, op.phase, ref(op.site), op.node, op.module]
 
-    peak = trace.peak
     return {
         "schema": SCHEMA,
         "fake": trace.fake,
         "finished": trace.finished,
         "error": trace.error,
-        "peak_bytes": peak.bytes,
-        "peak": peak.describe(),
-        "peak_bytes_by_device": trace.peak_bytes_by_device(),
         "cuda_max_allocated": trace.cuda_max_allocated,
-        "largest_temporaries": [a.describe() for a in trace.largest_temporaries(20)],
         "end_tick": trace.end_tick,
         "sites": [[s.file, s.line, s.function] for s in sites],
         "op_columns": ["seq", "tick", "op", "phase", "site", "node", "module"],
@@ -151,7 +146,7 @@ def write_text_atomically(path: str, text: str) -> None:
 
 
 def save(trace: Trace, path: str) -> None:
-    write_text_atomically(path, json.dumps(trace_to_dict(trace), indent=1) + "\n")
+    write_text_atomically(path, json.dumps(trace.to_dict(), indent=1) + "\n")
 
 
 def load(path: str) -> Trace:

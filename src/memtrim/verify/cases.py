@@ -236,9 +236,11 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
     """
     dtype = torch.float32 if case.autocast else case.dtype
     if callable(spec) and not isinstance(spec, torch.Tensor):
-        torch.manual_seed(case.seed)
         try:
-            built = spec(dtype if dtype is not None else torch.float32, device, case.seed)
+            cuda = [device.index or 0] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # seed the builder's draws; leave the caller's RNG be
+                torch.manual_seed(case.seed)
+                built = spec(dtype if dtype is not None else torch.float32, device, case.seed)
         except Exception as exc:
             raise InputError(
                 f"the inputs builder raised {type(exc).__name__}: {exc}; fix the builder, or "

@@ -57,6 +57,7 @@ def _run(fn: Callable[..., Any], inputs: CaseInputs, leaves: list[Any], up: Upst
         inputs.diff_index,
         grad_outputs=None if grads is None else (lambda outs: list(grads)),
         directions=None if dirs is None else (lambda gs: list(dirs)),
+        seed=inputs.case.seed,
     )
 
 

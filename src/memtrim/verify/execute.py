@@ -119,6 +119,7 @@ def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail:
         directions=make_dirs if diff and st.second_order else None,
         guards=guards,
         forward_context=fwd,
+        seed=case.seed,
     )
     if orig.error is not None:
         if case.layout != "contiguous":
@@ -155,6 +156,7 @@ def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail:
         directions=(lambda gs: laid(canon.dirs) or []) if diff and st.second_order else None,
         guards=guards_c,
         forward_context=fwd,
+        seed=case.seed,
     )
     if cand.error is not None:
         hint = f"; {INPLACE_HINT}" if "modified by an inplace operation" in cand.error.message else ""
@@ -382,6 +384,7 @@ def _measure(
             grad_outputs=(lambda outs: list(grads)) if grads is not None else None,
             directions=(lambda gs: list(dirs)) if dirs is not None else None,
             forward_context=fwd,
+            seed=inputs.case.seed,
         )
     )
 

@@ -130,9 +130,7 @@ class VerifyReport:
         change = f"{format_bytes(saved)} less" if saved >= 0 else f"{format_bytes(-saved)} MORE"
         return (
             f"memory: {head}, {change} at peak ({format_bytes(ref.peak_bytes)} -> "
-            f"{format_bytes(cand.peak_bytes)}); largest temporary {format_bytes(ref.largest_temporary_bytes)}"
-            f" ({ref.largest_temporary_where or '-'}) -> {format_bytes(cand.largest_temporary_bytes)}"
-            f" ({cand.largest_temporary_where or '-'})"
+            f"{format_bytes(cand.peak_bytes)}); largest temporary {_temp(ref)} -> {_temp(cand)}"
         )
 
     def table(self) -> Table:
@@ -219,6 +217,12 @@ class VerifyReport:
             more = f" (and {len(self.failures) - 1} more failures)" if len(self.failures) > 1 else ""
             raise AssertionError(f"memtrim.verify failed in case {first.case}: {first.message}{more}")
         raise AssertionError("memtrim.verify ran no case: every case was skipped; " + "; ".join(self.notes))
+
+
+def _temp(m: Memory) -> str:
+    if not m.largest_temporary_bytes:
+        return "none"
+    return f"{format_bytes(m.largest_temporary_bytes)} ({m.largest_temporary_where or '?'})"
 
 
 def _row(c: CaseResult) -> list[str]:

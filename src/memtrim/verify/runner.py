@@ -8,7 +8,7 @@ import math
 import operator
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +70,19 @@ def _poison_intact(buf: torch.Tensor) -> bool:
     return bool((hidden == 12).all())
 
 
+@contextlib.contextmanager
+def seeded(seed: int | None, leaves: Sequence[Any]) -> Iterator[None]:
+    """Seed the RNGs for a run (so callables that draw random numbers draw the same ones) and restore
+    the caller's RNG state afterwards."""
+    if seed is None:
+        yield
+        return
+    cuda = sorted({x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
 def run_callable(
     fn: Callable[..., Any],
     leaves: list[Any],
@@ -80,13 +93,31 @@ def run_callable(
     directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None = None,
     guards: Sequence[tuple[int, torch.Tensor]] = (),
     forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    seed: int | None = None,
 ) -> RunResult:
     """Call ``fn(*make_args(leaves))``, then backpropagate ``grad_outputs(outputs)`` into the diff leaves.
 
     ``grad_outputs`` returns one upstream gradient per flat output (None: not differentiated); an output
     that should be differentiated but does not require grad is listed in ``detached``. ``directions``
-    (second order) gives one direction per differentiable leaf for a Hessian-vector product.
+    (second order) gives one direction per differentiable leaf for a Hessian-vector product. ``seed``
+    seeds the RNGs for the run (and restores the caller's RNG state after it).
     """
+    with seeded(seed, leaves):
+        return _run_callable(
+            fn, leaves, make_args, diff_index, grad_outputs, directions, guards, forward_context
+        )
+
+
+def _run_callable(
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    make_args: Callable[[list[Any]], tuple[Any, ...]],
+    diff_index: Sequence[int],
+    grad_outputs: Callable[[list[Any]], list[torch.Tensor | None]] | None,
+    directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None,
+    guards: Sequence[tuple[int, torch.Tensor]],
+    forward_context: Callable[[], AbstractContextManager[Any]],
+) -> RunResult:
     res = RunResult()
     versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
     try:
