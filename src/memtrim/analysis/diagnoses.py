@@ -44,6 +44,10 @@ def diagnosis(name: str) -> Callable[[Rule], Rule]:
     return register
 
 
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
 def _reduced_soon_after(trace: Trace, temp: Allocation) -> Allocation | None:
     """The smaller allocation a reduction at the same line made while ``temp`` was alive, if any."""
     for other in trace.allocations:
@@ -78,8 +82,8 @@ def broadcast_then_reduce(trace: Trace) -> list[Diagnosis]:
             Diagnosis(
                 rule="broadcast-then-reduce",
                 site=site,
-                problem=f"{temps[0].op} builds a {'x'.join(map(str, temps[0].shape))} product that a reduction "
-                f"then shrinks {ratio}x",
+                problem=f"{temps[0].op} builds a {_shape(temps[0].shape)} product that a reduction then "
+                f"shrinks {ratio}x",
                 advice="contract without materialising the product: torch.einsum or matmul "
                 "(e.g. (z[..., None] * W).sum(-2) -> torch.einsum('...hd,hdm->...hm', z, W)); "
                 "check with memtrim.verify(..., mode='reference')",
@@ -107,10 +111,10 @@ def out_of_place_backward(trace: Trace) -> list[Diagnosis]:
             Diagnosis(
                 rule="out-of-place-backward",
                 site=temps[0].site,
-                problem=f"{len(allocs)} {dtype} buffers of shape {'x'.join(map(str, shape))} made one after "
-                f"another in {allocs[0].node}.backward",
-                advice="reuse one buffer you own with in-place ops (t.sub_(...), t.mul_(...), t.div_(...)) in the "
-                "same order, so results stay bit-identical; check with memtrim.verify(..., mode='exact')",
+                problem=f"{len(allocs)} {dtype} buffers of shape {_shape(shape)} made one after another in "
+                f"{allocs[0].node}.backward",
+                advice="reuse one buffer you own with in-place ops (t.sub_(...), t.mul_(...), t.div_(...)) in "
+                "the same order, so results stay bit-identical; check with memtrim.verify(..., mode='exact')",
                 allocations=temps,
                 peak_after=peak_without(trace, temps),
             )
