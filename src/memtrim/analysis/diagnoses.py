@@ -113,7 +113,7 @@ def out_of_place_backward(trace: Trace) -> list[Diagnosis]:
                 site=temps[0].site,
                 problem=f"{len(allocs)} {dtype} buffers of shape {_shape(shape)} made one after another in "
                 f"{allocs[0].node}.backward",
-                advice="reuse one buffer you own with in-place ops (t.sub_(...), t.mul_(...), t.div_(...)) in "
+                advice="reuse one buffer you own with in-place ops (t.sub_, t.mul_, t.div_) in "
                 "the same order, so results stay bit-identical; check with memtrim.verify(..., mode='exact')",
                 allocations=temps,
                 peak_after=peak_without(trace, temps),
