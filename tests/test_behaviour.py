@@ -155,3 +155,12 @@ def test_fake_mode_measures_a_size_that_would_not_fit() -> None:
         W_O = torch.randn(32, 128, 4096)
         head_results_broadcast(z, W_O)
     assert trace.largest_temporaries(1)[0].bytes == 8192 * 32 * 128 * 4096 * 4  # 512 GiB, not allocated
+
+
+def test_cuda_prediction_rounds_every_block_to_512_bytes() -> None:
+    with memtrim.track(fake=True) as trace:
+        a = torch.empty(1)  # 4 bytes: CUDA charges a 512-byte block
+        b = torch.empty(1000)  # 4000 bytes: 4096 on CUDA
+        del a, b
+    assert trace.peak_bytes == 4004
+    assert trace.peak_bytes_as("cuda") == 512 + 4096

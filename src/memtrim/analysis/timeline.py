@@ -66,13 +66,18 @@ class LineGroup:
         }
 
 
-def live_curve(trace: Trace, device: str) -> list[tuple[int, int, Allocation]]:
-    """(tick, live bytes after the event, allocation) for every event on ``device``, in order."""
+def live_curve(trace: Trace, device: str, charge_as: str | None = None) -> list[tuple[int, int, Allocation]]:
+    """(tick, live bytes after the event, allocation) for every event on ``device``, in order.
+
+    Bytes are what ``device``'s allocator charges, or ``charge_as``'s (e.g. ``"cuda"`` to predict a
+    GPU peak from a trace recorded on the CPU or with fake tensors).
+    """
     events: list[tuple[int, int, Allocation]] = []
+    rule_device = charge_as or device
     for a in trace.allocations:
         if a.device != device:
             continue
-        charge = charged_bytes(a.bytes, device)
+        charge = charged_bytes(a.bytes, rule_device)
         if not a.preexisting:
             events.append((a.alloc_tick, charge, a))
         if a.free_tick is not None:
@@ -95,9 +100,9 @@ def _op_at(trace: Trace, tick: int) -> OpCall | None:
     return trace.ops[index] if index >= 0 else None
 
 
-def _peak_on(trace: Trace, device: str) -> Peak:
+def _peak_on(trace: Trace, device: str, charge_as: str | None = None) -> Peak:
     best = Peak(bytes=0, device=device)
-    for tick, live, a in live_curve(trace, device):
+    for tick, live, a in live_curve(trace, device, charge_as):
         if live > best.bytes:
             best = Peak(bytes=live, device=device, tick=tick, allocation=a)
     if best.tick is not None:
@@ -105,13 +110,16 @@ def _peak_on(trace: Trace, device: str) -> Peak:
     return best
 
 
-def peaks_by_device(trace: Trace) -> dict[str, Peak]:
-    return {device: _peak_on(trace, device) for device in devices(trace)}
+def peaks_by_device(trace: Trace, charge_as: str | None = None) -> dict[str, Peak]:
+    return {device: _peak_on(trace, device, charge_as) for device in devices(trace)}
 
 
-def find_peak(trace: Trace) -> Peak:
-    """The peak on the device whose peak is largest (an accelerator wins a tie with the CPU)."""
-    peaks = peaks_by_device(trace)
+def find_peak(trace: Trace, charge_as: str | None = None) -> Peak:
+    """The peak on the device whose peak is largest (an accelerator wins a tie with the CPU).
+
+    ``charge_as="cuda"`` counts every block as CUDA's caching allocator would (512-byte rounding).
+    """
+    peaks = peaks_by_device(trace, charge_as)
     if not peaks:
         return Peak(bytes=0)
     return max(peaks.values(), key=lambda p: (p.bytes, p.device != "cpu"))

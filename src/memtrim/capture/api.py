@@ -37,6 +37,12 @@ class _CudaPeak:
 
     def end(self) -> dict[str, int]:
         _open_cuda_watches.remove(self)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # CUDA first initialised inside the region: its whole history is the region's
+            for d in range(torch.cuda.device_count()):
+                if d not in self.start:
+                    self.devices.append(d)
+                    self.start[d] = self.seen_max[d] = 0
         result = {}
         for d in self.devices:
             torch.cuda.synchronize(d)

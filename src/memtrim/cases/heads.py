@@ -2,11 +2,19 @@
 
 Mechanistic-interpretability code decomposes an attention layer's output into each head's
 contribution. The common implementation broadcasts ``z[..., None] * W_O`` and sums over ``d_head``:
-for GPT-2 small at 512 tokens that builds a 1,208 MB temporary for a 19 MB result. ``head_results``
-contracts with einsum instead, which never materialises the broadcast product.
+for GPT-2 small at 512 tokens that builds a 1,208 MB temporary for a 19 MB result, and its backward
+builds one more of the same size per input that needs a gradient. ``head_results`` contracts with einsum
+instead (one batched matmul over heads), which never materialises the broadcast product.
+
+>>> z = torch.randn(512, 12, 64)            # [pos, head, d_head], or [batch, pos, head, d_head]
+>>> W_O = torch.randn(12, 64, 768)          # [head, d_head, d_model]
+>>> head_results(z, W_O).shape
+torch.Size([512, 12, 768])
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,10 +29,35 @@ def _check_shapes(z: torch.Tensor, W_O: torch.Tensor) -> None:
         )
 
 
+def result_dtype(z: torch.Tensor, W_O: torch.Tensor) -> torch.dtype:
+    """The dtype ``head_results_broadcast`` returns: the promoted one, int64 for integers and bools.
+
+    The multiply promotes (fp16 ``z`` with fp32 ``W_O`` gives fp32; integer ``z`` with fp16 ``W_O``
+    gives fp16) and ``sum`` turns bool and integer products into int64.
+    """
+    dtype = torch.promote_types(z.dtype, W_O.dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return torch.int64
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """Turn autocast off for the contraction, so that it runs in the dtype the original's ops run in.
+
+    ``mul`` and ``sum`` are not autocast ops, so the original computes (and returns) the promoted dtype
+    under autocast; the einsum's batched matmul is one, and would otherwise run in bf16/fp16 and return
+    it: a different dtype and far less accurate than the original.
+    """
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def head_results_broadcast(z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     """The original: broadcast multiply, then sum over d_head. Kept as the reference of what not to do.
 
-    Allocates a ``[..., head, d_head, d_model]`` temporary (and two more in backward).
+    Allocates a ``[..., head, d_head, d_model]`` temporary, ``d_head`` times the result (and, in backward,
+    one more of that size per input that needs a gradient).
     """
     _check_shapes(z, W_O)
     return (z[..., None] * W_O).sum(-2)
@@ -33,10 +66,27 @@ def head_results_broadcast(z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
 def head_results(z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     """Each head's contribution to the residual stream, ``[..., head, d_model]``, without the temporary.
 
-    Accepts batched or batchless ``z`` (``[..., pos, head, d_head]``), any leading dims, non-contiguous
-    and empty inputs. Mixed dtypes promote as the broadcast form does (fp16 ``z`` with fp32 ``W_O``
-    gives fp32). Differentiable to any order in both inputs.
+    A drop-in replacement for :func:`head_results_broadcast`:
+
+    - ``z`` is ``[..., pos, head, d_head]`` with any number of leading dims (batched or batchless);
+      ``W_O`` is ``[head, d_head, d_model]``. Non-contiguous, expanded and empty inputs are fine.
+    - The result has the dtype the original returns (:func:`result_dtype`): mixed dtypes promote (fp16
+      ``z`` with fp32 ``W_O`` gives fp32); integers and bools give int64, computed exactly in int64.
+    - Under autocast it computes in that dtype too, as the original's ``mul`` and ``sum`` do, rather than
+      in autocast's lower precision.
+    - Differentiable to any order in both inputs.
+
+    Memory: no temporary larger than the result in forward or backward (only the batched matmul's
+    operands and output; a copy of ``z`` when its layout or dtype needs one). Numerics: each element is
+    the same sum of ``d_head`` products in another order, accumulated in fp32 or better for fp16/bf16
+    (as the original's ``sum`` is); ``memtrim.verify`` proves it no less accurate than the original.
+
+    Layout: the result is a permuted view of the batched matmul's ``[head, ..., d_model]`` output, so it
+    is not contiguous (strides differ from the original's; values, shape and dtype do not). ``.reshape``
+    works as before; call ``.contiguous()`` before ``.view`` if you need one (it costs a copy the size
+    of the result, which is what this function avoids allocating).
     """
     _check_shapes(z, W_O)
-    dtype = torch.promote_types(z.dtype, W_O.dtype)
-    return torch.einsum("...hd,hdm->...hm", z.to(dtype), W_O.to(dtype))
+    dtype = result_dtype(z, W_O)
+    with _autocast_off(z.device.type):
+        return torch.einsum("...hd,hdm->...hm", z.to(dtype), W_O.to(dtype))

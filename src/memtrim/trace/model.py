@@ -126,6 +126,13 @@ class Trace:
         """Peak bytes above the region's start, on the device with the largest peak."""
         return self.peak.bytes
 
+    def peak_bytes_as(self, allocator: str) -> int:
+        """The peak if every block were charged by ``allocator``'s rule, e.g. ``"cuda"`` (512-byte
+        rounding): a GPU prediction from a trace recorded on the CPU or with ``fake=True``."""
+        from memtrim.analysis.timeline import find_peak
+
+        return find_peak(self, charge_as=allocator).bytes
+
     @property
     def peak(self) -> Peak:
         from memtrim.analysis.timeline import find_peak
