@@ -89,8 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = args.handler
-    return int(handler(args))
+    try:
+        return int(args.handler(args))
+    except BrokenPipeError:  # `memtrim show t.json --json | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

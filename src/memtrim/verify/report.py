@@ -100,7 +100,7 @@ class VerifyReport:
         skipped = len(self.cases) - len(ran)
         held = {h: sum(c.held == h for c in ran) for h in ("exact", "reference")}
         verdict = "PASSED" if self.passed else "FAILED"
-        parts = [f"{verdict}: {len(ran)} cases ran ({self.mode} mode)"]
+        parts = [f"{verdict}: {len(ran)} cases ran in {self.seconds:.1f} s ({self.mode} mode)"]
         if self.mode != "exact":
             parts.append(f"exact held in {held['exact']}, reference in {held['reference']}")
         if self.failures:
@@ -115,21 +115,18 @@ class VerifyReport:
         return f"{line}\n{mem}" if mem else line
 
     def memory_summary(self) -> str | None:
-        """'equal results, 1.2 GB less' — the largest peak of each side over the cases."""
-        pairs = [
-            (c.memory_ref, c.memory_cand)
-            for c in self.cases
-            if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)
-        ]
-        if not pairs:
+        """'equal results, 599 MB less at peak' — for the case where the reference peaks highest."""
+        measured = [c for c in self.cases if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)]
+        if not measured:
             return None
-        ref = max((r for r, _ in pairs), key=lambda m: m.peak_bytes)
-        cand = max((c for _, c in pairs), key=lambda m: m.peak_bytes)
+        case = max(measured, key=lambda c: c.memory_ref.peak_bytes if isinstance(c.memory_ref, Memory) else 0)
+        ref, cand = case.memory_ref, case.memory_cand
+        assert isinstance(ref, Memory) and isinstance(cand, Memory)
         saved = ref.peak_bytes - cand.peak_bytes
         head = "equal results" if self.passed else "results differ"
         change = f"{format_bytes(saved)} less" if saved >= 0 else f"{format_bytes(-saved)} MORE"
         return (
-            f"memory: {head}, {change} at peak ({format_bytes(ref.peak_bytes)} -> "
+            f"memory ({case.case.id}): {head}, {change} at peak ({format_bytes(ref.peak_bytes)} -> "
             f"{format_bytes(cand.peak_bytes)}); largest temporary {_temp(ref)} -> {_temp(cand)}"
         )
 
