@@ -38,12 +38,16 @@ def main() -> None:
     ap.add_argument("--d-head", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=32)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave the default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     z = torch.randn(args.pos, args.heads, args.d_head, requires_grad=True)
     W_O = torch.randn(args.heads, args.d_head, args.d_model, requires_grad=True)
     print(
         f"memtrim.verify on head results: z {list(z.shape)}, W_O {list(W_O.shape)}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     verify(
         head_results_broadcast, head_results, (z, W_O), progress=False, seeds=(0,), dtypes=("fp32",)
@@ -52,7 +56,7 @@ def main() -> None:
         ("default matrix (auto, memory on)", {"memory": not args.no_memory}),
         ("default matrix, memory off", {"memory": False}),
         ("mode='reference', memory off", {"mode": "reference", "memory": False}),
-        ("mode='exact', memory off", {"mode": "exact", "memory": False}),
+        ("mode='exact' (einsum is not bit-exact: fails)", {"mode": "exact", "memory": False}),
     ]
     print("| run | cases | median s | min s | per case ms | verdict |")
     print("|---|---|---|---|---|---|")

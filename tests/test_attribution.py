@@ -133,3 +133,29 @@ def test_categories_saved_gradient_output_temporary() -> None:
     assert exp_alloc.saved and exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
     assert any(a.category == "temporary" and a.phase == "backward" for a in trace.allocations)
     assert any(a.category == "gradient" for a in trace.allocations)
+
+
+class DrawsNoise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(x.shape)  # grad mode is off in here, and rand has no tensor inputs
+        return x + noise
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def test_phases_forward_inside_custom_functions_other_under_no_grad_and_optimizers() -> None:
+    x = torch.randn(100, requires_grad=True)
+    opt = torch.optim.SGD([x], lr=0.1, momentum=0.9)
+    with memtrim.track() as trace:
+        DrawsNoise.apply(x).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            evaluation = x * 2
+    phases = {a.op: a.phase for a in trace.allocations if not a.preexisting}
+    assert phases["aten.rand.default"] == "forward"
+    assert phases["aten.clone.default"] == "other"  # SGD's momentum buffer
+    assert [a.phase for a in trace.allocations if a.op == "aten.mul.Tensor"] == ["other"]
+    del evaluation

@@ -52,8 +52,13 @@ def test_cli_json_prints_one_object(capsys):
 def test_cli_reports_bad_configuration(capsys):
     assert main([*TINY, "--shards", "3"]) == 2
     assert "tokens=256 must divide into shards=3" in capsys.readouterr().err
-    assert main([*TINY, "--optimizer", "sgd"]) == 2
-    assert "unknown optimizer 'sgd'; use 'lion' or 'adam'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*TINY, "--optimizer", "sgd"])
+    assert "invalid choice: 'sgd'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'; use 'lion' or 'adam'"):
+        run(replace(SMALL, optimizer="sgd"))
+    with pytest.raises(ValueError, match="shards=2 but the world size is 4: each rank takes one shard"):
+        replace(SMALL).validate(world_size=4)
 
 
 def test_export_round_trips(tmp_path):
@@ -115,3 +120,11 @@ def test_torchrun_two_processes_equal_one_process(tmp_path):
     for name in single["layers"]:
         for key in ("hard_weights", "scales", "codes_2bit"):
             assert torch.equal(dp["layers"][name][key], single["layers"][name][key]), (name, key)
+
+
+def test_run_leaves_the_callers_rng_and_thread_count_alone():
+    torch.manual_seed(5)
+    state, threads = torch.get_rng_state(), torch.get_num_threads()
+    run(replace(SMALL, steps=3, threads=1))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.get_num_threads() == threads

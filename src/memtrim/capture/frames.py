@@ -33,6 +33,9 @@ _ENGINE_CODES: frozenset[CodeType] = frozenset(
     }
 )
 
+# Function.apply: ops below it run a custom autograd.Function's forward, where grad mode is off.
+_FUNCTION_APPLY: CodeType = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+
 _kinds: dict[CodeType, int] = {}
 _sites: dict[tuple[CodeType, int], Site] = {}
 
@@ -79,3 +82,15 @@ def user_site(frame: FrameType | None) -> tuple[Site | None, int]:
             seen = kind
         frame = frame.f_back
     return None, seen
+
+
+def inside_function_forward(frame: FrameType | None) -> bool:
+    """True if a custom ``autograd.Function.forward`` is running somewhere up the stack.
+
+    Walks the whole stack, so it is asked only for ops that run with grad mode off.
+    """
+    while frame is not None:
+        if frame.f_code is _FUNCTION_APPLY:
+            return True
+        frame = frame.f_back
+    return False

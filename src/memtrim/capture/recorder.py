@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrim.capture.frames import ENGINE, OPTIMIZER, user_site
+from memtrim.capture.frames import ENGINE, OPTIMIZER, inside_function_forward, user_site
 from memtrim.capture.modules import ModulePath
 from memtrim.trace.model import Allocation, OpCall, Site, Trace
 
@@ -135,22 +135,20 @@ class Recorder(TorchDispatchMode):
 
         call_site, between = user_site(_getframe(1))
         node = _current_autograd_node()
-        wants_grad = False
+        grad_enabled = _is_grad_enabled()
         if not info.lifts:
             watches = self._watches
             try:
                 for t in args if not kwargs else (*args, *kwargs.values()):
                     if isinstance(t, _Tensor):
-                        if t.requires_grad:
-                            wants_grad = True
                         storage = t.untyped_storage()
                         if storage._cdata not in watches:
                             self._watch_preexisting(t, storage)
                     elif isinstance(t, (list, tuple)):
-                        wants_grad = self._watch_inputs(t) or wants_grad
+                        self._watch_inputs(t)
             except (RuntimeError, NotImplementedError, TypeError):
                 # sparse/nested/opaque tensors have no single storage: account what can be
-                wants_grad = self._watch_inputs((*args, *kwargs.values()))
+                self._watch_inputs((*args, *kwargs.values()))
         site, module = call_site, self.modules.path
         node_name = None
         if node is not None or between == ENGINE:
@@ -163,8 +161,10 @@ class Recorder(TorchDispatchMode):
                     site, module = _metadata(node).get(NODE_STAMP, (call_site, module))
         elif between == OPTIMIZER:
             phase = "other"
+        elif grad_enabled or inside_function_forward(_getframe(1)):
+            phase = "forward"  # grad mode is off inside a custom Function's forward
         else:
-            phase = "forward" if wants_grad or _is_grad_enabled() else "other"
+            phase = "other"
         self._last_phase = phase
 
         ops = self.trace.ops
@@ -182,27 +182,23 @@ class Recorder(TorchDispatchMode):
             self._record_resizes(written, op, call_site)
         if info.lifts:
             self._record_lifted(args, op, call_site)
-        stamp = phase == "forward" and (wants_grad or _is_grad_enabled())
+        stamp = grad_enabled and phase == "forward"  # autograd makes nodes only with grad mode on
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
             self._record_output(t, op, call_site)
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending.append((weakref.ref(t), site, module))
         return out
 
-    def _watch_inputs(self, values: Any) -> bool:
-        """Start watching input storages not seen before; True if any input requires grad."""
-        wants_grad = False
+    def _watch_inputs(self, values: Any) -> None:
+        """Start watching input storages not seen before (the general, slower path)."""
         watches = self._watches
         for t in _tensors(values):
-            if t.requires_grad:
-                wants_grad = True
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
-        return wants_grad
 
     def _record_output(self, t: torch.Tensor, op: OpCall, call_site: Site | None) -> None:
         try:

@@ -58,9 +58,9 @@ class _Ctx:
         if isinstance(x, torch.Tensor):
             if not (x.is_floating_point() or x.is_complex()):
                 return x
-            if self.mode == "abs":
-                return x.abs()
-            return x if x in self.traced else torch.ones_like(x)
+            if x in self.traced:  # already |value| (or a count): produced by the trace from |inputs|
+                return x
+            return x.abs() if self.mode == "abs" else torch.ones_like(x)
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return self.coef(x)
         return x

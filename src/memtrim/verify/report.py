@@ -26,7 +26,7 @@ class Failure:
     details: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"[{self.case}] {self.message}"
+        return self.message  # names its case already
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,7 +116,9 @@ class VerifyReport:
 
     def memory_summary(self) -> str | None:
         """'equal results, 599 MB less at peak' — for the case where the reference peaks highest."""
-        measured = [c for c in self.cases if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)]
+        measured = [
+            c for c in self.cases if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)
+        ]
         if not measured:
             return None
         case = max(measured, key=lambda c: c.memory_ref.peak_bytes if isinstance(c.memory_ref, Memory) else 0)

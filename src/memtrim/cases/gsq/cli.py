@@ -8,9 +8,17 @@ import os
 import sys
 from dataclasses import fields
 
+from .function import VARIANTS
 from .train import TrainConfig, run
 
 __all__ = ["main"]
+
+_CHOICES = {
+    "optimizer": ["lion", "adam"],
+    "scale_init": ["mse", "minmax"],
+    "logits_dtype": ["float32", "bfloat16"],
+    "backward": list(VARIANTS),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--" + f.name.replace("_", "-"),
             type=float if f.name == "lr" else type(default),
+            choices=_CHOICES.get(f.name),
             default=default,
             help="default: 1e-3 for lion, 1e-2 for adam" if f.name == "lr" else f"default: {default}",
         )

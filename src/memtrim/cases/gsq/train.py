@@ -10,9 +10,12 @@ Data parallel: under ``torchrun --nproc-per-node N`` (gloo on CPU) each rank tak
 of the global batch. The quantizer's output -- the soft weights -- does not depend on the batch, so the
 gradient that is all-reduced is the one w.r.t. the soft weights (``out x in``, 4x smaller than the logits'),
 and every rank then runs the same quantizer backward. A single process splits the same global batch into
-the same ``--shards`` and accumulates their gradients in shard order, so with 2 shards the sum is ``g0 + g1``
-in both cases and the runs are bitwise equal (IEEE addition commutes). See ``docs`` in the README for the
-rounding bound with more ranks.
+the same ``--shards`` (default 2) and accumulates their gradients in shard order. With 2 ranks every reduced
+element is ``g0 + g1`` in both runs (IEEE addition commutes), so the runs are bitwise equal. Rounding cannot
+be bounded into the result instead: Lion steps by ``sign(...)``, so one ulp can flip a step and the runs
+then diverge (with ``--shards 1``, one GEMM over the whole batch, gradients differ by ~1e-7 relative and
+the final codes can differ in over half the weights at the same final loss). More than 2 ranks would need a
+fixed-order reduction (all_gather, then sum in rank order) to stay equal.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .function import check_variant
 from .module import GumbelQuantizer2Bit, pack_2bit
 from .optim import Lion
 from .scales import minmax_scales, mse_scales, rtn_2bit
@@ -66,6 +70,7 @@ class TrainConfig:
         return 1e-3 if self.optimizer == "lion" else 1e-2
 
     def validate(self, world_size: int) -> None:
+        check_variant(self.backward)
         if self.optimizer not in ("lion", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use 'lion' or 'adam'")
         if self.scale_init not in ("minmax", "mse"):
@@ -172,10 +177,14 @@ def run(cfg: TrainConfig, export: str | None = None) -> dict[str, Any]:
     """Run the quantization; every rank returns the same summary."""
     start = time.perf_counter()
     rank, world_size, owns_group = _world()
+    threads = torch.get_num_threads()
     try:
         cfg.validate(world_size)
-        summary = _run(cfg, rank, world_size, export)
+        # The run seeds and sets threads for itself; the caller's RNG state and thread count come back.
+        with torch.random.fork_rng(devices=[]):
+            summary = _run(cfg, rank, world_size, export)
     finally:
+        torch.set_num_threads(threads)
         if owns_group:
             dist.destroy_process_group()
     summary["seconds"] = round(time.perf_counter() - start, 3)
