@@ -76,9 +76,9 @@ def test_outputs_and_both_gradients_against_float64_in_every_dtype_and_layout() 
 def test_normalized_error_below_the_rounding_bound_computed_independently() -> None:
     """The same claim without verify: max |cand - exact| / S <= gamma_n(u_acc) + u_out (1 + gamma_n)."""
     gen = torch.Generator().manual_seed(1)
-    z64 = torch.randn(3, 16, 12, 64, generator=gen, dtype=torch.float64)
+    z64 = torch.randn(2, 8, 12, 64, generator=gen, dtype=torch.float64)
     W64 = torch.randn(12, 64, 96, generator=gen, dtype=torch.float64)
-    g64 = torch.randn(3, 16, 12, 96, generator=gen, dtype=torch.float64)
+    g64 = torch.randn(2, 8, 12, 96, generator=gen, dtype=torch.float64)
     for dtype in FLOATS:
         z, W, g = (t.to(dtype) for t in (z64, W64, g64))
         zc, Wc = z.clone().requires_grad_(), W.clone().requires_grad_()
@@ -96,7 +96,7 @@ def test_normalized_error_below_the_rounding_bound_computed_independently() -> N
             "grad z": torch.einsum("...hm,hdm->...hd", ge.abs(), We.abs()),
             "grad W_O": torch.einsum("...hd,...hm->hdm", ze.abs(), ge.abs()),
         }
-        n = {"output": 64, "grad z": 96, "grad W_O": 3 * 16}
+        n = {"output": 64, "grad z": 96, "grad W_O": 2 * 8}
         got = {"output": out.detach(), "grad z": zc.grad, "grad W_O": Wc.grad}
         u_out = torch.finfo(dtype).eps / 2
         u_acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
@@ -420,7 +420,7 @@ def test_memory_side_by_side_in_the_verify_report() -> None:
     ref, cand = r.cases[0].memory_ref, r.cases[0].memory_cand
     assert isinstance(ref, Memory) and isinstance(cand, Memory)
     memory = {"broadcast": ref, "einsum": cand}
-    assert "less at peak" in (r.memory_summary() or "")
+    assert cand.peak_bytes < ref.peak_bytes and cand.largest_temporary_bytes < ref.largest_temporary_bytes
     # Ground truth: the same forward and backward (both gradients), profiled on its own.
     result_bytes = s["batch"] * s["pos"] * s["heads"] * s["d_model"] * 4
     product = math.prod(s.values()) * 4

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from memtrim.report.units import format_bytes
 from memtrim.verify import CancellationProbe, VerifyReport, verify
-from memtrim.verify.runner import Memory, format_bytes
+from memtrim.verify.runner import Memory
 
 FAST: dict[str, Any] = {"memory": False, "progress": False, "seeds": (0,), "dtypes": ("fp32", "bf16")}
 
@@ -105,9 +106,10 @@ def test_memory_side_by_side() -> None:
 
 def test_format_bytes() -> None:
     assert (
-        format_bytes(1_207_959_552) == "1.2 GB"
-        and format_bytes(18_874_368) == "19 MB"
+        format_bytes(1_207_959_552) == "1.12 GiB"
+        and format_bytes(18_874_368) == "18 MiB"
         and format_bytes(512) == "512 B"
+        and format_bytes(-1536) == "-1.5 KiB"
     )
 
 

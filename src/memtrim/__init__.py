@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from memtrim.capture import track
 from memtrim.trace import Allocation, Site, Trace, TraceFormatError, load
+from memtrim.verify import CancellationProbe, VerifyReport, verify
 
 __version__ = "0.1.0"
 
-__all__ = ["Allocation", "Site", "Trace", "TraceFormatError", "load", "track"]
+__all__ = [
+    "Allocation",
+    "CancellationProbe",
+    "Site",
+    "Trace",
+    "TraceFormatError",
+    "VerifyReport",
+    "load",
+    "track",
+    "verify",
+]

@@ -10,9 +10,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from memtrim.report.units import format_bytes
 from memtrim.verify.cases import Case
 from memtrim.verify.compare import Quantity
-from memtrim.verify.runner import Memory, format_bytes
+from memtrim.verify.runner import Memory
 
 
 @dataclass
@@ -115,7 +116,7 @@ class VerifyReport:
         return f"{line}\n{mem}" if mem else line
 
     def memory_summary(self) -> str | None:
-        """'equal results, 599 MB less at peak' — for the case where the reference peaks highest."""
+        """'equal results, 571 MiB less at peak' — for the case where the reference peaks highest."""
         measured = [
             c for c in self.cases if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)
         ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import operator
 import os
 import traceback
@@ -233,16 +232,3 @@ def measure(run: Callable[[], RunResult]) -> Memory | str:
         loc = f"{os.path.basename(t.file)}:{t.line}" if t.file else "?"
         where = f"{t.op} at {loc}"
     return Memory(int(trace.peak_bytes), int(temps[0].bytes) if temps else 0, where)
-
-
-def format_bytes(n: float) -> str:
-    """1.2 GB / 19 MB / 512 B (decimal units, as the seed PRs report them)."""
-    if not math.isfinite(n):
-        return str(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{sign}{v:.1f} {unit}" if v < 10 else f"{sign}{v:.0f} {unit}"
-    return f"{sign}{int(n)} B"
