@@ -145,12 +145,13 @@ class VerifyReport:
             "assert_close",
             "peak ref→cand",
         ):
-            t.add_column(col, overflow="fold")
+            # the case id is what a reader searches for: never break it across lines
+            t.add_column(col, overflow="fold", no_wrap=col in ("case", "peak ref→cand"))
         for c in self.cases:
             t.add_row(*_row(c))
         return t
 
-    def render(self, width: int = 140) -> str:
+    def render(self, width: int = 160) -> str:
         buf = io.StringIO()
         console = Console(file=buf, width=width, force_terminal=False, color_system=None)
         self.print(console)
