@@ -159,3 +159,31 @@ def test_phases_forward_inside_custom_functions_other_under_no_grad_and_optimize
     assert phases["aten.clone.default"] == "other"  # SGD's momentum buffer
     assert [a.phase for a in trace.allocations if a.op == "aten.mul.Tensor"] == ["other"]
     del evaluation
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.norm(h) * 2
+
+
+def test_ops_inside_torch_modules_point_at_the_user_line_that_called_them() -> None:
+    # memtrim reuses the walk made when a module was entered; this checks that shortcut
+    block = Block()
+    with memtrim.track() as trace:
+        block(torch.randn(4, 8)).sum().backward()
+    by_op = {(a.op, a.phase): a for a in trace.allocations if not a.preexisting}
+    assert by_op[("aten.addmm.default", "forward")].line == line_of(Block.forward, "h = self.proj(x)")
+    assert by_op[("aten.gelu.default", "forward")].line == line_of(Block.forward, "h = self.proj(x)")
+    assert by_op[("aten.native_layer_norm.default", "forward")].line == line_of(
+        Block.forward, "self.norm(h) * 2"
+    )
+    assert by_op[("aten.native_layer_norm.default", "forward")].module == "Block.norm"
+    assert by_op[("aten.gelu_backward.default", "backward")].line == line_of(
+        Block.forward, "h = self.proj(x)"
+    )

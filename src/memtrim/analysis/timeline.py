@@ -96,7 +96,7 @@ def devices(trace: Trace) -> list[str]:
 
 
 def _op_at(trace: Trace, tick: int) -> OpCall | None:
-    index = bisect.bisect_right([op.tick for op in trace.ops], tick) - 1
+    index = bisect.bisect_right(trace.ops.ticks, tick) - 1
     return trace.ops[index] if index >= 0 else None
 
 

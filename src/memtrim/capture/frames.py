@@ -14,7 +14,7 @@ import torch.autograd.graph
 
 from memtrim.trace.model import Site
 
-USER, INTERNAL, ENGINE, OPTIMIZER = 0, 1, 2, 3
+USER, INTERNAL, ENGINE, OPTIMIZER, MODULE_CALL = 0, 1, 2, 3, 4
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
@@ -36,6 +36,13 @@ _ENGINE_CODES: frozenset[CodeType] = frozenset(
 # Function.apply: ops below it run a custom autograd.Function's forward, where grad mode is off.
 _FUNCTION_APPLY: CodeType = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
+# nn.Module.__call__'s frames. Everything above the innermost one was already walked when that module
+# was entered (see ModulePath), so a walk that reaches one can stop and reuse that result.
+_CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
+_MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
+    {_CALL_IMPL, *(c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner")}
+)
+
 _kinds: dict[CodeType, int] = {}
 _sites: dict[tuple[CodeType, int], Site] = {}
 
@@ -43,6 +50,8 @@ _sites: dict[tuple[CodeType, int], Site] = {}
 def _classify(code: CodeType) -> int:
     if code in _ENGINE_CODES:
         return ENGINE
+    if code in _MODULE_CALL_CODES:
+        return MODULE_CALL
     name = code.co_filename
     if name.startswith(_OPTIM_DIR):
         return OPTIMIZER
@@ -63,11 +72,15 @@ def _site(code: CodeType, line: int) -> Site:
     return site
 
 
-def user_site(frame: FrameType | None) -> tuple[Site | None, int]:
+Walk = tuple["Site | None", int]
+
+
+def user_site(frame: FrameType | None, module_entry: Walk | None = None) -> Walk:
     """The innermost user frame above ``frame`` and what stood between: INTERNAL, ENGINE or OPTIMIZER.
 
     ENGINE means the op was run on behalf of ``loss.backward()``/``autograd.grad``: the user frame
-    returned is then that call, not the code that made the op.
+    returned is then that call, not the code that made the op. ``module_entry`` is the walk made when
+    the innermost running nn.Module was entered; reaching that module's call frame ends the walk there.
     """
     seen = INTERNAL
     kinds = _kinds
@@ -78,10 +91,20 @@ def user_site(frame: FrameType | None) -> tuple[Site | None, int]:
             kind = kinds[code] = _classify(code)
         if kind == USER:
             return _site(code, frame.f_lineno), seen
+        if kind == MODULE_CALL and module_entry is not None:
+            return module_entry[0], module_entry[1] if seen == INTERNAL else seen
         if kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
             seen = kind
         frame = frame.f_back
     return None, seen
+
+
+def module_entry_site(frame: FrameType | None, parent_entry: Walk | None) -> Walk:
+    """The walk for a module being entered, from inside its forward pre-hook: skip the module's own
+    call frames, then walk as for an op, stopping at the parent module's call frame."""
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return user_site(frame.f_back if frame is not None else None, parent_entry)
 
 
 def inside_function_forward(frame: FrameType | None) -> bool:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import threading
+from sys import _getframe
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from memtrim.capture.frames import Walk, module_entry_site
 
 
 class ModulePath(threading.local):
@@ -17,10 +20,11 @@ class ModulePath(threading.local):
     """
 
     path: str | None = None
+    entry: Walk | None = None  # the user-site walk made when the innermost module was entered
     _handles: tuple[RemovableHandle, ...] = ()
 
-    def _stack(self) -> list[tuple[torch.nn.Module, str]]:
-        stack: list[tuple[torch.nn.Module, str]] | None = self.__dict__.get("stack")
+    def _stack(self) -> list[tuple[torch.nn.Module, str, Walk]]:
+        stack: list[tuple[torch.nn.Module, str, Walk]] | None = self.__dict__.get("stack")
         if stack is None:
             stack = self.__dict__["stack"] = []
         return stack
@@ -30,20 +34,21 @@ class ModulePath(threading.local):
         if not stack:
             path = type(module).__name__
         else:
-            parent, parent_path = stack[-1]
+            parent, parent_path, _ = stack[-1]
             child = next((n for n, m in parent._modules.items() if m is module), None)
             path = f"{parent_path}.{child if child is not None else type(module).__name__}"
-        stack.append((module, path))
-        self.path = path
+        entry = module_entry_site(_getframe(1), self.entry)
+        stack.append((module, path, entry))
+        self.path, self.entry = path, entry
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         # Pop down to this module: a hook that raised may have skipped a child's exit.
         while stack:
-            top, _ = stack.pop()
+            top, _, _ = stack.pop()
             if top is module:
                 break
-        self.path = stack[-1][1] if stack else None
+        self.path, self.entry = (stack[-1][1], stack[-1][2]) if stack else (None, None)
 
     def install(self) -> None:
         modules = torch.nn.modules.module
@@ -57,4 +62,4 @@ class ModulePath(threading.local):
             handle.remove()
         self._handles = ()
         self.__dict__.pop("stack", None)
-        self.path = None
+        self.path = self.entry = None

@@ -21,9 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrim.capture.frames import ENGINE, OPTIMIZER, inside_function_forward, user_site
 from memtrim.capture.modules import ModulePath
-from memtrim.trace.model import Allocation, OpCall, Site, Trace
+from memtrim.trace.model import Allocation, Site, Trace
 
 _Tensor = torch.Tensor
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
 
@@ -114,7 +115,10 @@ class Recorder(TorchDispatchMode):
         self.modules = ModulePath()
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
-        self._pending: list[tuple[weakref.ref[torch.Tensor], Site | None, str | None]] = []
+        self._log = trace.ops
+        # outputs of forward ops whose autograd node (made after dispatch returns) is still to be stamped
+        self._pending: list[weakref.ref[torch.Tensor]] = []
+        self._pending_ops: list[int] = []
         self._infos: dict[Any, _OpInfo] = {}
         self._last_phase = "other"
         self._quiet = 0
@@ -133,7 +137,8 @@ class Recorder(TorchDispatchMode):
         if info is None:
             info = self._infos[func] = _OpInfo(func)
 
-        call_site, between = user_site(_getframe(1))
+        modules = self.modules
+        call_site, between = user_site(_getframe(1), modules.entry)
         node = _current_autograd_node()
         grad_enabled = _is_grad_enabled()
         if not info.lifts:
@@ -149,7 +154,7 @@ class Recorder(TorchDispatchMode):
             except (RuntimeError, NotImplementedError, TypeError):
                 # sparse/nested/opaque tensors have no single storage: account what can be
                 self._watch_inputs((*args, *kwargs.values()))
-        site, module = call_site, self.modules.path
+        site, module = call_site, modules.path
         node_name = None
         if node is not None or between == ENGINE:
             phase = "backward"
@@ -167,26 +172,32 @@ class Recorder(TorchDispatchMode):
             phase = "other"
         self._last_phase = phase
 
-        ops = self.trace.ops
-        op = OpCall(len(ops), next(self._clock), info.name, phase, site, node_name, module)
-        ops.append(op)
+        log = self._log
+        seq = len(log.ticks)
+        log.ticks.append(next(self._clock))
+        log.names.append(info.name)
+        log.phases.append(phase)
+        log.sites.append(site)
+        log.nodes.append(node_name)
+        log.modules.append(module)
         written = self._written_sizes(info, args, kwargs) if info.writes else None
 
         try:
             out = func(*args, **kwargs)
         except BaseException:
-            self.trace.failed_op = op
+            self.trace.failed_op = log[seq]
             raise
 
         if written:
-            self._record_resizes(written, op, call_site)
+            self._record_resizes(written, seq, call_site)
         if info.lifts:
-            self._record_lifted(args, op, call_site)
+            self._record_lifted(args, seq, call_site)
         stamp = grad_enabled and phase == "forward"  # autograd makes nodes only with grad mode on
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
-            self._record_output(t, op, call_site)
+            self._record_output(t, seq, call_site)
             if stamp and (t.is_floating_point() or t.is_complex()):
-                self._pending.append((weakref.ref(t), site, module))
+                self._pending.append(weakref.ref(t))
+                self._pending_ops.append(seq)
         return out
 
     def _watch_inputs(self, values: Any) -> None:
@@ -200,7 +211,7 @@ class Recorder(TorchDispatchMode):
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
 
-    def _record_output(self, t: torch.Tensor, op: OpCall, call_site: Site | None) -> None:
+    def _record_output(self, t: torch.Tensor, seq: int, call_site: Site | None) -> None:
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -210,31 +221,33 @@ class Recorder(TorchDispatchMode):
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        self._start_watch(storage, self._new_allocation(t, nbytes, op, call_site))
+        self._start_watch(storage, self._new_allocation(t, nbytes, seq, call_site))
 
-    def _record_lifted(self, args: Any, op: OpCall, call_site: Site | None) -> None:
+    def _record_lifted(self, args: Any, seq: int, call_site: Site | None) -> None:
         for t in _tensors(args):
             storage = t.untyped_storage()
             if storage._cdata not in self._watches and storage.nbytes():
-                self._start_watch(storage, self._new_allocation(t, storage.nbytes(), op, call_site))
+                self._start_watch(storage, self._new_allocation(t, storage.nbytes(), seq, call_site))
 
-    def _new_allocation(self, t: torch.Tensor, nbytes: int, op: OpCall, call_site: Site | None) -> Allocation:
+    def _new_allocation(self, t: torch.Tensor, nbytes: int, seq: int, call_site: Site | None) -> Allocation:
         allocations = self.trace.allocations
+        log = self._log
+        site = log.sites[seq]
         alloc = Allocation(
             len(allocations),
             nbytes,
             _dtype_name(t.dtype),
             tuple(t.shape),
             _device_name(t.device),
-            op.op,
-            op.phase,
+            log.names[seq],
+            log.phases[seq],
             next(self._clock),
             None,
             None,
-            op.site,
-            call_site if call_site is not op.site else None,
-            op.node,
-            op.module,
+            site,
+            call_site if call_site is not site else None,
+            log.nodes[seq],
+            log.modules[seq],
         )
         allocations.append(alloc)
         return alloc
@@ -283,7 +296,7 @@ class Recorder(TorchDispatchMode):
         return sizes
 
     def _record_resizes(
-        self, written: list[tuple[torch.Tensor, int]], op: OpCall, call_site: Site | None
+        self, written: list[tuple[torch.Tensor, int]], seq: int, call_site: Site | None
     ) -> None:
         for t, before in written:
             storage = t.untyped_storage()
@@ -292,19 +305,21 @@ class Recorder(TorchDispatchMode):
                 continue
             # The allocator hands out a new block and frees the old one; the StorageImpl stays.
             watch = self._watches.get(storage._cdata)
-            new = self._new_allocation(t, after, op, call_site)
+            new = self._new_allocation(t, after, seq, call_site)
             if watch is not None:
                 old = watch.allocation
                 old.free_tick = next(self._clock)
-                old.free_phase = op.phase
+                old.free_phase = new.phase
                 watch.allocation = new
             else:
                 self._start_watch(storage, new)
 
     # -- autograd -------------------------------------------------------------------------------
     def _stamp_nodes(self) -> None:
-        pending, self._pending = self._pending, []
-        for ref, site, module in pending:
+        pending, seqs = self._pending, self._pending_ops
+        self._pending, self._pending_ops = [], []
+        log = self._log
+        for ref, seq in zip(pending, seqs, strict=True):
             t = ref()
             if t is None:
                 continue
@@ -312,7 +327,7 @@ class Recorder(TorchDispatchMode):
             if node is not None:
                 metadata = _metadata(node)
                 if NODE_STAMP not in metadata:
-                    metadata[NODE_STAMP] = (site, module)
+                    metadata[NODE_STAMP] = (log.sites[seq], log.modules[seq])
 
     def pack_saved(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """saved_tensors_hooks pack: marks the storage as saved for backward.
@@ -325,7 +340,10 @@ class Recorder(TorchDispatchMode):
             self._stamp_nodes()
         if t.grad_fn is None:
             alias = t  # a leaf or a tensor outside autograd: no node to form a cycle with
-        else:
+        elif type(t) is _Tensor:
+            with _DisableTorchDispatch():  # skip every dispatch mode, memtrim's included: ~10x cheaper
+                alias = t.detach()
+        else:  # a tensor subclass (FakeTensor...) needs its __torch_dispatch__
             self._quiet += 1
             try:
                 alias = t.detach()
@@ -360,4 +378,5 @@ class Recorder(TorchDispatchMode):
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
         self._pending.clear()
+        self._pending_ops.clear()
         self.trace.finished = True

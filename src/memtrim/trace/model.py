@@ -7,8 +7,9 @@ the public API reads naturally (``trace.peak_bytes``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 if TYPE_CHECKING:
     from memtrim.analysis.timeline import LineGroup, Peak
@@ -41,6 +42,59 @@ class OpCall:
     site: Site | None
     node: str | None = None
     module: str | None = None
+
+
+class OpLog(Sequence[OpCall]):
+    """Every op call, stored as columns: recording appends to plain lists instead of building one object
+    per op (cheaper, and no work for the garbage collector); reading yields :class:`OpCall` objects."""
+
+    __slots__ = ("modules", "names", "nodes", "phases", "sites", "ticks")
+
+    def __init__(self) -> None:
+        self.ticks: list[int] = []
+        self.names: list[str] = []
+        self.phases: list[str] = []
+        self.sites: list[Site | None] = []
+        self.nodes: list[str | None] = []
+        self.modules: list[str | None] = []
+
+    def append(self, op: OpCall) -> None:
+        self.ticks.append(op.tick)
+        self.names.append(op.op)
+        self.phases.append(op.phase)
+        self.sites.append(op.site)
+        self.nodes.append(op.node)
+        self.modules.append(op.module)
+
+    def __len__(self) -> int:
+        return len(self.ticks)
+
+    @overload
+    def __getitem__(self, index: int) -> OpCall: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[OpCall]: ...
+    def __getitem__(self, index: int | slice) -> OpCall | list[OpCall]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        return OpCall(
+            index,
+            self.ticks[index],
+            self.names[index],
+            self.phases[index],
+            self.sites[index],
+            self.nodes[index],
+            self.modules[index],
+        )
+
+    def __iter__(self) -> Iterator[OpCall]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpLog) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True)
@@ -111,7 +165,7 @@ class Allocation:
 class Trace:
     """Everything recorded in one ``memtrim.track()`` region."""
 
-    ops: list[OpCall] = field(default_factory=list)
+    ops: OpLog = field(default_factory=OpLog)
     allocations: list[Allocation] = field(default_factory=list)
     end_tick: int = 0
     fake: bool = False

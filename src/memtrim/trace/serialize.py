@@ -7,7 +7,7 @@ import os
 import tempfile
 from typing import Any
 
-from memtrim.trace.model import SCHEMA, Allocation, OpCall, Site, Trace
+from memtrim.trace.model import SCHEMA, Allocation, OpCall, OpLog, Site, Trace
 
 
 class TraceFormatError(ValueError):
@@ -117,8 +117,11 @@ def trace_from_dict(data: Any) -> Trace:
             )
             for a in data["allocations"]
         ]
+        ops = OpLog()
+        for row in data["ops"]:
+            ops.append(op_from_row(row))
         return Trace(
-            ops=[op_from_row(row) for row in data["ops"]],
+            ops=ops,
             allocations=allocations,
             end_tick=data["end_tick"],
             fake=data["fake"],
