@@ -6,6 +6,7 @@ import inspect
 
 import torch
 from groundtruth import profiler_memory
+from programs import ScaledDifference
 
 import memtrim
 from memtrim.cases.heads import head_results, head_results_broadcast
@@ -59,23 +60,6 @@ def test_backward_temporaries_of_the_broadcast_point_at_the_forward_line() -> No
         assert t.node == "MulBackward0"
         assert (t.file, t.line) == (inspect.getsourcefile(head_results_broadcast), multiply_line)
         assert t.call_site is not None and t.call_site.line != multiply_line  # the .backward() call
-
-
-class ScaledDifference(torch.autograd.Function):
-    """Backward written the out-of-place way: three temporaries the size of the gradient."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, d)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        s, d = ctx.saved_tensors  # type: ignore[attr-defined]
-        a = g - d
-        b = s * a
-        c = b * 3.0
-        return c, None
 
 
 def test_custom_backward_temporaries_are_attributed_to_their_own_lines() -> None:

@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import torch
 from groundtruth import profiler_memory
+from programs import ScaledDifference
 
 import memtrim
 from memtrim.analysis.diagnoses import DIAGNOSES, diagnose
 from memtrim.cases.heads import head_results, head_results_broadcast
 
 
-class OutOfPlace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, d)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        s, d = ctx.saved_tensors  # type: ignore[attr-defined]
-        a = g - d
-        b = s * a
-        c = b * 3.0
-        return c, None
-
-
 class InPlace(torch.autograd.Function):
+    """ScaledDifference with the seed-000 rewrite: the same ops in the same order, in place."""
+
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, d)
@@ -48,7 +36,7 @@ def test_in_place_advice_predicts_the_peak_of_the_in_place_rewrite() -> None:
     x = torch.randn(256, 1024, requires_grad=True)
     d = torch.randn(256, 1024)
     with memtrim.track() as before:
-        OutOfPlace.apply(x, d).sum().backward()
+        ScaledDifference.apply(x, d).sum().backward()
     (finding,) = [f for f in diagnose(before) if f.rule == "out-of-place-backward"]
     assert finding.site is not None and finding.site.function == "backward"
     assert len(finding.allocations) == 2
