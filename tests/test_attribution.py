@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from groundtruth import profiler_memory
 from programs import ScaledDifference
@@ -171,3 +172,15 @@ def test_ops_inside_torch_modules_point_at_the_user_line_that_called_them() -> N
     assert by_op[("aten.gelu_backward.default", "backward")].line == line_of(
         Block.forward, "h = self.proj(x)"
     )
+
+
+@pytest.mark.parametrize("saved_hooks", [True, False])
+def test_saved_by_hook_or_by_lifetime(saved_hooks: bool) -> None:
+    x = torch.randn(1000, requires_grad=True)
+    with memtrim.track(saved_hooks=saved_hooks) as trace:
+        loss = (x.exp() * 2).sum()
+        loss.backward()
+    exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
+    assert exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
+    made_in_backward = [a for a in trace.allocations if a.phase == "backward"]
+    assert made_in_backward and not any(a.saved for a in made_in_backward)

@@ -70,7 +70,8 @@ def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
     data-dependent shapes) cannot run fake.
 
     ``saved_hooks=False`` skips the saved-tensor hooks that mark what autograd saves for backward
-    (use it if your code disables saved-tensor hooks); allocations then get ``saved`` only by lifetime.
+    (they cost about as much as the rest of the tracking on op-heavy code); "saved" then means made in
+    forward and freed in backward. The same fallback applies where hooks are disabled.
     """
     trace = Trace(fake=fake)
     recorder = Recorder(trace)
@@ -85,11 +86,12 @@ def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
         stack.enter_context(recorder)
         recorder.modules.install()
         stack.callback(recorder.modules.remove)
-        if saved_hooks and _saved_tensors_hooks_enabled():
+        hooked = saved_hooks and _saved_tensors_hooks_enabled()
+        if hooked:
             stack.enter_context(
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack_saved, recorder.unpack_saved)
             )
-        stack.callback(recorder.finish)
+        stack.callback(recorder.finish, hooks_saw_saves=hooked)
         try:
             yield trace
         except BaseException as exc:

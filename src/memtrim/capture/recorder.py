@@ -370,11 +370,19 @@ class Recorder(TorchDispatchMode):
         return alias
 
     # -- lifetime -------------------------------------------------------------------------------
-    def finish(self) -> None:
-        """Stop observing. Storages still watched are what was alive at the end (or at the failure)."""
+    def finish(self, *, hooks_saw_saves: bool = True) -> None:
+        """Stop observing. Storages still watched are what was alive at the end (or at the failure).
+
+        Without saved-tensor hooks, "saved" falls back to lifetime: made in forward, freed in backward
+        (autograd frees what it saved as backward consumes it).
+        """
         if self._pending:
             self._stamp_nodes()
         self._open = False
+        if not hooks_saw_saves:
+            for a in self.trace.allocations:
+                if a.phase == "forward" and a.free_phase == "backward":
+                    a.saved = True
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
         self._pending.clear()
