@@ -43,8 +43,12 @@ _MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
     {_CALL_IMPL, *(c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner")}
 )
 
-_kinds: dict[CodeType, int] = {}
-_sites: dict[tuple[CodeType, int], Site] = {}
+# Keyed by id(code): a code object's hash is not cached and covers its constants (nested code
+# included), which made hashing the largest per-op cost. _held keeps every classified code alive so
+# that its id cannot be reused by another.
+_kinds: dict[int, int] = {}
+_held: list[CodeType] = []
+_sites: dict[tuple[int, int], Site] = {}
 
 
 def _classify(code: CodeType) -> int:
@@ -64,12 +68,15 @@ def _classify(code: CodeType) -> int:
     return USER
 
 
-def _site(code: CodeType, line: int) -> Site:
-    key = (code, line)
-    site = _sites.get(key)
-    if site is None:
-        site = _sites[key] = Site(code.co_filename, line, code.co_name)
+def _new_site(code: CodeType, line: int) -> Site:
+    site = _sites[id(code), line] = Site(code.co_filename, line, code.co_name)
     return site
+
+
+def _kind(code: CodeType) -> int:
+    _held.append(code)
+    kind = _kinds[id(code)] = _classify(code)
+    return kind
 
 
 Walk = tuple["Site | None", int]
@@ -86,15 +93,18 @@ def user_site(frame: FrameType | None, module_entry: Walk | None = None) -> Walk
     kinds = _kinds
     while frame is not None:
         code = frame.f_code
-        kind = kinds.get(code)
+        kind = kinds.get(id(code))
         if kind is None:
-            kind = kinds[code] = _classify(code)
+            kind = _kind(code)
         if kind == USER:
-            return _site(code, frame.f_lineno), seen
-        if kind == MODULE_CALL and module_entry is not None:
-            return module_entry[0], module_entry[1] if seen == INTERNAL else seen
-        if kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
-            seen = kind
+            line = frame.f_lineno
+            site = _sites.get((id(code), line))
+            return (site if site is not None else _new_site(code, line)), seen
+        if kind != INTERNAL:
+            if kind == MODULE_CALL and module_entry is not None:
+                return module_entry[0], module_entry[1] if seen == INTERNAL else seen
+            if kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
+                seen = kind
         frame = frame.f_back
     return None, seen
 

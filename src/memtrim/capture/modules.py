@@ -11,6 +11,9 @@ from torch.utils.hooks import RemovableHandle
 
 from memtrim.capture.frames import Walk, module_entry_site
 
+# (id(parent), id(child)) -> the child's name in the parent, shared by all regions and threads.
+_names: dict[tuple[int, int], str] = {}
+
 
 class ModulePath(threading.local):
     """Per thread: the dotted path of the innermost module running (``path``), kept by global hooks.
@@ -35,7 +38,16 @@ class ModulePath(threading.local):
             path = type(module).__name__
         else:
             parent, parent_path, _ = stack[-1]
-            child = next((n for n, m in parent._modules.items() if m is module), None)
+            # Scanning a long Sequential for the child costs more than the rest of the hook: reuse the
+            # name found last time, checked against the parent so that a reused id cannot mislead.
+            key = (id(parent), id(module))
+            child = _names.get(key)
+            if child is None or parent._modules.get(child) is not module:
+                child = next((n for n, m in parent._modules.items() if m is module), None)
+                if child is not None:
+                    if len(_names) > 100_000:  # ids of modules long gone: start afresh
+                        _names.clear()
+                    _names[key] = child
             path = f"{parent_path}.{child if child is not None else type(module).__name__}"
         entry = module_entry_site(_getframe(1), self.entry)
         stack.append((module, path, entry))

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrim.capture.frames import ENGINE, OPTIMIZER, inside_function_forward, user_site
+from memtrim.capture.frames import (
+    ENGINE,
+    INTERNAL,
+    OPTIMIZER,
+    Walk,
+    inside_function_forward,
+    user_site,
+)
 from memtrim.capture.modules import ModulePath
 from memtrim.trace.model import Allocation, Site, Trace
 
@@ -27,6 +34,8 @@ _Tensor = torch.Tensor
 _DisableTorchDispatch = torch._C._DisableTorchDispatch
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
+_current_graph_task_id = torch._C._current_graph_task_id
+_ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
 
 
 _dtype_names: dict[torch.dtype, str] = {}
@@ -82,9 +91,12 @@ _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("lifts", "name", "writes", "written_args", "written_kwargs")
+    __slots__ = ("call", "func", "lifts", "name", "writes", "written_args", "written_kwargs")
 
     def __init__(self, func: Any) -> None:
+        self.func = func  # held so that its id, the cache key, stays its own
+        # OpOverload.__call__ is a Python frame that only forwards to _op (subclasses may do more)
+        self.call = func._op if type(func) is torch._ops.OpOverload else func
         self.name = str(func)
         # torch.tensor(data) builds its tensor below the dispatch modes, then passes it through
         # lift_fresh so that modes see it: that input is new, not something from before the region.
@@ -98,6 +110,11 @@ class _OpInfo:
                 else:
                     self.written_args.append(i)
         self.writes = bool(self.written_args or self.written_kwargs)
+
+
+# By id(func): OpOverload.__hash__ is a Python method, too slow for a per-op lookup. Shared by all
+# recorders so that each track() does not rebuild it.
+_infos: dict[int, _OpInfo] = {}
 
 
 class Recorder(TorchDispatchMode):
@@ -119,8 +136,8 @@ class Recorder(TorchDispatchMode):
         # outputs of forward ops whose autograd node (made after dispatch returns) is still to be stamped
         self._pending: list[weakref.ref[torch.Tensor]] = []
         self._pending_ops: list[int] = []
-        self._infos: dict[Any, _OpInfo] = {}
         self._last_phase = "other"
+        self._engine_walk: tuple[int, Walk | None, Walk] = (-1, None, (None, INTERNAL))
         self._quiet = 0
         self._open = True
 
@@ -133,12 +150,21 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._stamp_nodes()
-        info = self._infos.get(func)
+        info = _infos.get(id(func))
         if info is None:
-            info = self._infos[func] = _OpInfo(func)
+            info = _infos[id(func)] = _OpInfo(func)
 
         modules = self.modules
-        call_site, between = user_site(_getframe(1), modules.entry)
+        caller = _getframe(1)
+        if caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
+            # Every op the engine runs for one backward call sees the same, suspended frames above
+            # it: walk them once per graph task (and innermost module entry).
+            walk = self._engine_walk
+            if walk[0] != task or walk[1] is not modules.entry:
+                walk = self._engine_walk = (task, modules.entry, user_site(caller, modules.entry))
+            call_site, between = walk[2]
+        else:
+            call_site, between = user_site(caller, modules.entry)
         node = _current_autograd_node()
         grad_enabled = _is_grad_enabled()
         if not info.lifts:
@@ -149,8 +175,8 @@ class Recorder(TorchDispatchMode):
                         storage = t.untyped_storage()
                         if storage._cdata not in watches:
                             self._watch_preexisting(t, storage)
-                    elif isinstance(t, (list, tuple)):
-                        self._watch_inputs(t)
+                    elif isinstance(t, (list, tuple)) and t and type(t[0]) is not int:
+                        self._watch_inputs(t)  # int[] (sizes, dims) never holds a tensor: skipped
             except (RuntimeError, NotImplementedError, TypeError):
                 # sparse/nested/opaque tensors have no single storage: account what can be
                 self._watch_inputs((*args, *kwargs.values()))
@@ -183,7 +209,7 @@ class Recorder(TorchDispatchMode):
         written = self._written_sizes(info, args, kwargs) if info.writes else None
 
         try:
-            out = func(*args, **kwargs)
+            out = info.call(*args, **kwargs)
         except BaseException:
             self.trace.failed_op = log[seq]
             raise
@@ -193,8 +219,15 @@ class Recorder(TorchDispatchMode):
         if info.lifts:
             self._record_lifted(args, seq, call_site)
         stamp = grad_enabled and phase == "forward"  # autograd makes nodes only with grad mode on
+        watches = self._watches
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
-            self._record_output(t, seq, call_site)
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass  # sparse/nested/opaque tensors have no single storage to account
+            else:
+                if storage._cdata not in watches and (nbytes := storage.nbytes()):
+                    self._start_watch(storage, self._new_allocation(t, nbytes, seq, call_site))
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending.append(weakref.ref(t))
                 self._pending_ops.append(seq)
@@ -211,18 +244,6 @@ class Recorder(TorchDispatchMode):
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
 
-    def _record_output(self, t: torch.Tensor, seq: int, call_site: Site | None) -> None:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return  # sparse/nested/opaque tensors have no single storage to account
-        if storage._cdata in self._watches:
-            return
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return
-        self._start_watch(storage, self._new_allocation(t, nbytes, seq, call_site))
-
     def _record_lifted(self, args: Any, seq: int, call_site: Site | None) -> None:
         for t in _tensors(args):
             storage = t.untyped_storage()
@@ -233,12 +254,13 @@ class Recorder(TorchDispatchMode):
         allocations = self.trace.allocations
         log = self._log
         site = log.sites[seq]
+        dtype, device = t.dtype, t.device
         alloc = Allocation(
             len(allocations),
             nbytes,
-            _dtype_name(t.dtype),
+            _dtype_names.get(dtype) or _dtype_name(dtype),
             tuple(t.shape),
-            _device_name(t.device),
+            _device_names.get(device) or _device_name(device),
             log.names[seq],
             log.phases[seq],
             next(self._clock),
@@ -253,15 +275,16 @@ class Recorder(TorchDispatchMode):
         return alloc
 
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
+        dtype, device = t.dtype, t.device
         alloc = Allocation(
-            id=len(self.trace.allocations),
-            bytes=storage.nbytes(),
-            dtype=_dtype_name(t.dtype),
-            shape=tuple(t.shape),
-            device=_device_name(t.device),
-            op="(before the region)",
-            phase="other",
-            alloc_tick=-1,
+            len(self.trace.allocations),
+            storage.nbytes(),
+            _dtype_names.get(dtype) or _dtype_name(dtype),
+            tuple(t.shape),
+            _device_names.get(device) or _device_name(device),
+            "(before the region)",
+            "other",
+            -1,
             preexisting=True,
         )
         self.trace.allocations.append(alloc)
@@ -318,8 +341,8 @@ class Recorder(TorchDispatchMode):
     def _stamp_nodes(self) -> None:
         pending, seqs = self._pending, self._pending_ops
         self._pending, self._pending_ops = [], []
-        log = self._log
-        for ref, seq in zip(pending, seqs, strict=True):
+        sites, modules = self._log.sites, self._log.modules
+        for i, ref in enumerate(pending):
             t = ref()
             if t is None:
                 continue
@@ -327,7 +350,8 @@ class Recorder(TorchDispatchMode):
             if node is not None:
                 metadata = _metadata(node)
                 if NODE_STAMP not in metadata:
-                    metadata[NODE_STAMP] = (log.sites[seq], log.modules[seq])
+                    seq = seqs[i]
+                    metadata[NODE_STAMP] = (sites[seq], modules[seq])
 
     def pack_saved(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """saved_tensors_hooks pack: marks the storage as saved for backward.
@@ -338,7 +362,7 @@ class Recorder(TorchDispatchMode):
         """
         if self._pending:
             self._stamp_nodes()
-        if t.grad_fn is None:
+        if t.is_leaf:  # no grad_fn; asking is_leaf builds no Python node object, unlike grad_fn
             alias = t  # a leaf or a tensor outside autograd: no node to form a cycle with
         elif type(t) is _Tensor:
             with _DisableTorchDispatch():  # skip every dispatch mode, memtrim's included: ~10x cheaper
