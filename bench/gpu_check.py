@@ -3,7 +3,7 @@
     python bench/gpu_check.py            # needs a CUDA build of torch and a GPU; ~1-2 minutes
 
 1. memtrim's peak vs torch.cuda.max_memory_allocated (same region) for the head-results broadcast and
-   einsum (GPT-2 small, 512 tokens, fwd+bwd) and a custom-backward program.
+   einsum (GPT-2 small, 512 tokens, fwd+bwd) and a custom-backward program (GSQ's quantizer).
 2. The fake-mode prediction (FakeTensorMode on the cuda device; 512-byte blocks) vs the real CUDA peak.
 3. GSQ lean vs original on CUDA: bit-exactness with CUDA RNG replay, both backward peaks from
    max_memory_allocated, and one full-size Qwen3-14B down_proj step vs its fake-mode estimate.
@@ -27,21 +27,6 @@ from memtrim.cases.heads import head_results, head_results_broadcast
 MiB = 2**20
 
 
-class ScaledDifference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, d)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        s, d = ctx.saved_tensors  # type: ignore[attr-defined]
-        a = g - d
-        b = s * a
-        c = b * 3.0
-        return c, None
-
-
 def heads_program(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
     def run() -> None:
         z = torch.randn(512, 12, 64, device="cuda", requires_grad=True)
@@ -52,9 +37,10 @@ def heads_program(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
 
 
 def custom_backward_program() -> None:
-    x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
-    d = torch.randn(4096, 4096, device="cuda")
-    ScaledDifference.apply(x, d).sum().backward()
+    # GSQ's quantizer: a custom autograd.Function whose backward replays the forward's CUDA RNG draw
+    weight = torch.randn(2048, 4096, device="cuda") * 0.02
+    q = GumbelQuantizer2Bit(weight, minmax_scales(weight, 128), backward="original")
+    (torch.randn(64, 4096, device="cuda") @ q(0.5, 100.0).T).square().mean().backward()
 
 
 def compare_with_cuda(name: str, program: Callable[[], None]) -> None:
@@ -142,7 +128,7 @@ def main() -> int:
     torch.cuda.init()
     compare_with_cuda("heads broadcast, 512 tokens, fwd+bwd", heads_program(head_results_broadcast))
     compare_with_cuda("heads einsum, 512 tokens, fwd+bwd", heads_program(head_results))
-    compare_with_cuda("custom backward, 4096x4096", custom_backward_program)
+    compare_with_cuda("GSQ original (custom backward)", custom_backward_program)
     gsq_checks()
     return 0
 
