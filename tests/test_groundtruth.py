@@ -169,3 +169,17 @@ def test_random_programs_agree_with_the_profiler(program: tuple) -> None:
             torch.stack([t.sum() for t in live]).sum().backward()
 
     assert_agrees(run)
+
+
+def test_detach_is_not_recorded_and_changes_nothing() -> None:
+    # autograd issues a detach around every saved tensor; memtrim leaves them out of the op log
+    x = torch.randn(100, 100, requires_grad=True)
+
+    def program() -> None:
+        y = x.exp()
+        z = y.detach() * 2  # the multiply is recorded, the detach is not
+        (y * z).sum().backward()
+
+    trace = assert_agrees(program)
+    assert "aten.detach.default" not in {op.op for op in trace.ops}
+    assert "aten.mul.Tensor" in {op.op for op in trace.ops}

@@ -86,6 +86,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
+# Not recorded: a detach never allocates (its output shares the input's storage), and autograd issues
+# one around every tensor it saves for backward, so recording them would double the op count of
+# training code and tell a reader nothing.
+_DETACH = torch.ops.aten.detach.default
 
 
 class _OpInfo:
@@ -146,7 +150,7 @@ class Recorder(TorchDispatchMode):
         # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
         if kwargs is None:
             kwargs = {}
-        if self._quiet or not self._open:
+        if self._quiet or not self._open or func is _DETACH:
             return func(*args, **kwargs)
         if self._pending:
             self._stamp_nodes()

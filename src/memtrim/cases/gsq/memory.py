@@ -48,13 +48,18 @@ def backward_peak(trace: Trace, device: str | None = None) -> int:
         for a in trace.allocations:
             counts[a.device] = counts.get(a.device, 0) + 1
         device = max(counts, key=lambda d: counts[d])
-    start, end = ticks[0], ticks[-1]
+    # From the first backward op to the first op after the backward (or the region's end): what the last
+    # backward op allocates, and frees that follow it, come after its own tick and still belong here.
+    start = ticks[0]
+    end = next(
+        (op.tick for op in trace.ops if op.tick > ticks[-1] and op.phase != "backward"), trace.end_tick
+    )
     base = peak = None
     for tick, live, _ in live_curve(trace, device):
         if tick < start:
             base = live
             continue
-        if tick > end:
+        if tick >= end:
             break
         peak = live if peak is None else max(peak, live)
     base = base or 0
