@@ -14,15 +14,6 @@ CategoryRule = Callable[[Allocation], "str | None"]
 
 CATEGORY_RULES: list[CategoryRule] = []
 
-DESCRIPTIONS = {
-    "preexisting": "existed before the region (only its free inside the region is recorded)",
-    "saved": "kept by autograd from forward into backward",
-    "gradient": "made in backward and still alive after it",
-    "output": "alive at the end of the region",
-    "temporary": "made and freed in the same phase",
-    "kept": "outlived its phase without autograd saving it (held by your code)",
-}
-
 
 def category_rule(rule: CategoryRule) -> CategoryRule:
     CATEGORY_RULES.append(rule)

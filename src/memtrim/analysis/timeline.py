@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,10 +160,3 @@ def largest_temporaries(trace: Trace, n: int = 10) -> list[Allocation]:
     temps = [a for a in trace.allocations if a.category == "temporary"]
     temps.sort(key=lambda a: (-a.bytes, a.alloc_tick))
     return temps[:n]
-
-
-def bytes_by_category(allocations: list[Allocation]) -> dict[str, int]:
-    totals: dict[str, int] = defaultdict(int)
-    for a in allocations:
-        totals[a.category] += a.bytes
-    return dict(totals)
