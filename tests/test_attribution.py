@@ -174,13 +174,122 @@ def test_ops_inside_torch_modules_point_at_the_user_line_that_called_them() -> N
     )
 
 
-@pytest.mark.parametrize("saved_hooks", [True, False])
-def test_saved_by_hook_or_by_lifetime(saved_hooks: bool) -> None:
+def test_saved_is_read_from_the_autograd_nodes() -> None:
     x = torch.randn(1000, requires_grad=True)
-    with memtrim.track(saved_hooks=saved_hooks) as trace:
+    with memtrim.track() as trace:
         loss = (x.exp() * 2).sum()
         loss.backward()
     exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
     assert exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
+    mul_alloc = next(a for a in trace.allocations if a.op == "aten.mul.Tensor" and a.phase == "forward")
+    assert not mul_alloc.saved  # (exp * 2).sum() saves nothing of the product
     made_in_backward = [a for a in trace.allocations if a.phase == "backward"]
     assert made_in_backward and not any(a.saved for a in made_in_backward)
+
+
+def test_saved_is_known_before_backward_runs() -> None:
+    # what a user needs after an out-of-memory error in forward: what autograd was holding
+    x = torch.randn(1000, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"), memtrim.track() as trace:
+        h = x.sigmoid()  # saves its result
+        g = h.tanh()  # saves its result
+        dropped = g.exp()  # saves its result, but the graph that holds it is dropped at once
+        del dropped
+        raise RuntimeError("boom")
+    saved = {a.op for a in trace.allocations if a.saved}
+    assert saved == {"aten.sigmoid.default", "aten.tanh.default"}
+    assert h.grad_fn is not None and g.grad_fn is not None
+
+
+class _SavesInputAndIntermediate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, a: torch.Tensor) -> torch.Tensor:
+        b = a.exp()  # saved, never returned
+        c = a.sin()  # neither saved nor returned
+        ctx.save_for_backward(a, b)
+        return b * c
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        _, b = ctx.saved_tensors  # type: ignore[attr-defined]
+        return g * b
+
+
+def test_saved_by_a_custom_function() -> None:
+    a = torch.randn(1000, requires_grad=True)
+    with memtrim.track() as trace:
+        # the input is made in the region (neg saves nothing), so that saving it is visible
+        _SavesInputAndIntermediate.apply(a.neg()).sum().backward()
+    by_op = {x.op: x for x in trace.allocations if x.phase == "forward" and not x.preexisting}
+    assert by_op["aten.neg.default"].saved
+    assert by_op["aten.exp.default"].saved
+    assert not by_op["aten.sin.default"].saved
+    assert not by_op["aten.mul.Tensor"].saved  # the Function's output
+
+
+def test_user_saved_tensor_hooks_are_not_run_by_memtrim() -> None:
+    def run() -> list[dict[str, int]]:
+        calls = {"pack": 0, "unpack": 0}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            calls["pack"] += 1
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            calls["unpack"] += 1
+            return t
+
+        x = torch.randn(1000, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = x.exp().sin().sum()
+        after_forward = dict(calls)
+        loss.backward()
+        return [after_forward, calls]
+
+    untracked = run()
+    with memtrim.track() as trace:
+        tracked = run()
+    assert tracked == untracked and untracked[0]["unpack"] == 0 and untracked[1]["unpack"] > 0
+    # the nodes were not read; lifetime says what was saved
+    exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
+    assert exp_alloc.saved and exp_alloc.free_phase == "backward"
+
+
+def test_checkpointed_region_is_recomputed_only_by_backward() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    runs = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return t.exp().sin()
+
+    x = torch.randn(1000, requires_grad=True)
+    with memtrim.track() as trace:
+        y = checkpoint(block, x, use_reentrant=False)
+        assert len(runs) == 1
+        y.sum().backward()
+    assert len(runs) == 2
+    forward_made = [a for a in trace.allocations if a.phase == "forward" and not a.preexisting]
+    assert forward_made and not any(a.saved for a in forward_made if a.free_phase == "forward")
+
+
+class _ReturnsAView(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, a: torch.Tensor) -> torch.Tensor:
+        b = a.exp()
+        ctx.save_for_backward(b)
+        return (b * 2).view(-1)  # the last op, whose output gets the Function's node, is a view
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        (b,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return (g * 2).view_as(b) * b
+
+
+def test_saved_by_a_custom_function_that_returns_a_view() -> None:
+    a = torch.randn(10, 100, requires_grad=True)
+    with memtrim.track() as trace:
+        _ReturnsAView.apply(a).sum().backward()
+    exp_alloc = next(x for x in trace.allocations if x.op == "aten.exp.default")
+    assert exp_alloc.saved

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memtrim.analysis.allocator import charged_bytes
-from memtrim.trace.model import Allocation, OpCall, Site, Trace
+from memtrim.trace.model import Allocation, OpCall, OpRow, Site, Trace
 
 
 @dataclass
@@ -94,8 +94,12 @@ def devices(trace: Trace) -> list[str]:
     return sorted({a.device for a in trace.allocations})
 
 
+def _tick_of(row: OpRow) -> int:
+    return row[0]
+
+
 def _op_at(trace: Trace, tick: int) -> OpCall | None:
-    index = bisect.bisect_right(trace.ops.ticks, tick) - 1
+    index = bisect.bisect_right(trace.ops.rows, tick, key=_tick_of) - 1
     return trace.ops[index] if index >= 0 else None
 
 

@@ -51,13 +51,8 @@ class _CudaPeak:
         return result
 
 
-def _saved_tensors_hooks_enabled() -> bool:
-    # False under torch.autograd.graph.disable_saved_tensors_hooks, where registering hooks raises.
-    return bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
-
-
 @contextlib.contextmanager
-def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
+def track(*, fake: bool = False) -> Iterator[Trace]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
     Yields a :class:`~memtrim.trace.Trace` that is complete when the block exits — also when it exits
@@ -69,9 +64,10 @@ def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
     the block are turned into fake ones when used. Code that reads values (``.item()``, printing,
     data-dependent shapes) cannot run fake.
 
-    ``saved_hooks=False`` skips the saved-tensor hooks that mark what autograd saves for backward
-    (they cost about as much as the rest of the tracking on op-heavy code); "saved" then means made in
-    forward and freed in backward. The same fallback applies where hooks are disabled.
+    What autograd saves for backward is read from each new autograd node, not through saved-tensor
+    hooks: the program runs with autograd's own saving, version checks and error messages. Under the
+    user's own saved-tensor hooks (checkpointing, offloading) the nodes are not read, and "saved"
+    means made in forward and freed in backward.
     """
     trace = Trace(fake=fake)
     recorder = Recorder(trace)
@@ -86,12 +82,7 @@ def track(*, fake: bool = False, saved_hooks: bool = True) -> Iterator[Trace]:
         stack.enter_context(recorder)
         recorder.modules.install()
         stack.callback(recorder.modules.remove)
-        hooked = saved_hooks and _saved_tensors_hooks_enabled()
-        if hooked:
-            stack.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(recorder.pack_saved, recorder.unpack_saved)
-            )
-        stack.callback(recorder.finish, hooks_saw_saves=hooked)
+        stack.callback(recorder.finish)
         try:
             yield trace
         except BaseException as exc:

@@ -11,8 +11,9 @@ storage (PyObject preservation), so the callback fires when the memory is return
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from sys import _getframe
 from typing import Any
 
@@ -28,32 +29,15 @@ from memtrim.capture.frames import (
     user_site,
 )
 from memtrim.capture.modules import ModulePath
-from memtrim.trace.model import Allocation, Site, Trace
+from memtrim.trace.model import AllocationLog, Site, Trace
 
 _Tensor = torch.Tensor
-_DisableTorchDispatch = torch._C._DisableTorchDispatch
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
 _current_graph_task_id = torch._C._current_graph_task_id
+_user_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_CustomFunctionNode = torch.autograd.function.BackwardCFunction
 _ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
-
-
-_dtype_names: dict[torch.dtype, str] = {}
-_device_names: dict[torch.device, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-def _device_name(device: torch.device) -> str:
-    name = _device_names.get(device)
-    if name is None:
-        name = _device_names[device] = str(device)
-    return name
 
 
 def _metadata(node: Any) -> dict[str, Any]:
@@ -68,8 +52,8 @@ NODE_STAMP = "memtrim.site"
 
 
 class _StorageWatch(weakref.ref):
-    __slots__ = ("allocation", "key")
-    allocation: Allocation
+    __slots__ = ("index", "key")
+    index: int  # the allocation's row
     key: int
 
 
@@ -85,17 +69,43 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
                 yield from _tensors(item)
 
 
+# Per node class: a getter for what the node saved for backward, as a tuple of tensors, lists of
+# tensors and Nones (built-in nodes unpack each saved variable as ``_saved_<name>``; a custom
+# Function's node keeps its ``ctx.save_for_backward`` tensors in ``saved_tensors``).
+_saved_getters: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def saved_getter(node: Any) -> Callable[[Any], tuple[Any, ...]]:
+    kind = type(node)
+    getter = _saved_getters.get(kind)
+    if getter is None:
+        if isinstance(node, _CustomFunctionNode):
+            getter = operator.attrgetter("saved_tensors")
+        else:
+            names = [f"_saved_{a[len('_raw_saved_') :]}" for a in dir(node) if a.startswith("_raw_saved_")]
+            if len(names) > 1:
+                getter = operator.attrgetter(*names)
+            elif names:  # attrgetter of one name returns the value, not a tuple
+                one = operator.attrgetter(names[0])
+                getter = lambda node: (one(node),)  # noqa: E731
+            else:
+                getter = lambda node: ()  # noqa: E731
+        getter = _saved_getters[kind] = getter
+    return getter
+
+
 _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 # Not recorded: a detach never allocates (its output shares the input's storage), and autograd issues
 # one around every tensor it saves for backward, so recording them would double the op count of
 # training code and tell a reader nothing.
 _DETACH = torch.ops.aten.detach.default
+_detach = _DETACH._op
 
 
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("call", "func", "lifts", "name", "writes", "written_args", "written_kwargs")
+    __slots__ = ("call", "func", "lifts", "name", "saves", "writes", "written_args", "written_kwargs")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held so that its id, the cache key, stays its own
@@ -114,6 +124,10 @@ class _OpInfo:
                 else:
                     self.written_args.append(i)
         self.writes = bool(self.written_args or self.written_kwargs)
+        # A view op's node saves no tensors (a view's gradient never needs the values), so it is not
+        # read for what it saved.
+        returns = func._schema.returns
+        self.saves = self.writes or not returns or any(r.alias_info is None for r in returns)
 
 
 # By id(func): OpOverload.__hash__ is a Python method, too slow for a per-op lookup. Shared by all
@@ -136,24 +150,30 @@ class Recorder(TorchDispatchMode):
         self.modules = ModulePath()
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
-        self._log = trace.ops
-        # outputs of forward ops whose autograd node (made after dispatch returns) is still to be stamped
-        self._pending: list[weakref.ref[torch.Tensor]] = []
-        self._pending_ops: list[int] = []
+        self._ops = trace.ops.rows
+        self._recorded = trace.recorded = AllocationLog()
+        self._rows = self._recorded.rows
+        # an output of the last op, whose autograd node (made after dispatch returns) is still to be
+        # stamped, and the op's number
+        self._pending: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
         self._last_phase = "other"
         self._engine_walk: tuple[int, Walk | None, Walk] = (-1, None, (None, INTERNAL))
-        self._quiet = 0
+        # forward ops run under the user's saved-tensor hooks (whose nodes are not read) and what they made
+        self._under_user_hooks: set[int] = set()
         self._open = True
 
     # -- ops ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
+        if func is _DETACH:
+            return _detach(*args, **kwargs) if kwargs else _detach(*args)
         if kwargs is None:
             kwargs = {}
-        if self._quiet or not self._open or func is _DETACH:
+        if not self._open:
             return func(*args, **kwargs)
-        if self._pending:
-            self._stamp_nodes()
+        if (pending := self._pending) is not None:
+            self._pending = None
+            self._stamp_node(*pending)
         info = _infos.get(id(func))
         if info is None:
             info = _infos[id(func)] = _OpInfo(func)
@@ -202,39 +222,48 @@ class Recorder(TorchDispatchMode):
             phase = "other"
         self._last_phase = phase
 
-        log = self._log
-        seq = len(log.ticks)
-        log.ticks.append(next(self._clock))
-        log.names.append(info.name)
-        log.phases.append(phase)
-        log.sites.append(site)
-        log.nodes.append(node_name)
-        log.modules.append(module)
+        log = self._ops
+        seq = len(log)
+        log.append((next(self._clock), info.name, phase, site, node_name, module))
         written = self._written_sizes(info, args, kwargs) if info.writes else None
 
         try:
             out = info.call(*args, **kwargs)
         except BaseException:
-            self.trace.failed_op = log[seq]
+            self.trace.failed_op = self.trace.ops[seq]
             raise
 
         if written:
             self._record_resizes(written, seq, call_site)
         if info.lifts:
             self._record_lifted(args, seq, call_site)
-        stamp = grad_enabled and phase == "forward"  # autograd makes nodes only with grad mode on
-        watches = self._watches
+        # Autograd gives outputs a node after this returns. Inside a custom Function's forward grad mode
+        # is off, but the Function's own node lands on what it returns; with create_graph=True
+        # backward ops make nodes too.
+        stamp = phase == "forward" or (grad_enabled and phase == "backward")
+        hooked = stamp and _user_saved_hooks(False) is not None
+        if hooked:
+            self._under_user_hooks.add(seq)
+        watches, rows = self._watches, self._rows
+        # One output is enough to find the node: the differentiable outputs of an op share it.
+        unstamped = stamp
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 pass  # sparse/nested/opaque tensors have no single storage to account
             else:
-                if storage._cdata not in watches and (nbytes := storage.nbytes()):
-                    self._start_watch(storage, self._new_allocation(t, nbytes, seq, call_site))
-            if stamp and (t.is_floating_point() or t.is_complex()):
-                self._pending.append(weakref.ref(t))
-                self._pending_ops.append(seq)
+                key = storage._cdata
+                if key not in watches and (nbytes := storage.nbytes()):
+                    # a new storage (inlined _new_allocation and _start_watch: this runs per op)
+                    watch = watches[key] = _StorageWatch(storage, self._on_free)
+                    watch.index, watch.key = len(rows), key
+                    rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
+                    if hooked:
+                        self._recorded.made_under_user_hooks.append(watch.index)
+            if unstamped and (t.is_floating_point() or t.is_complex()):
+                self._pending = (weakref.ref(t), seq, info.saves)
+                unstamped = False
         return out
 
     def _watch_inputs(self, values: Any) -> None:
@@ -254,58 +283,26 @@ class Recorder(TorchDispatchMode):
             if storage._cdata not in self._watches and storage.nbytes():
                 self._start_watch(storage, self._new_allocation(t, storage.nbytes(), seq, call_site))
 
-    def _new_allocation(self, t: torch.Tensor, nbytes: int, seq: int, call_site: Site | None) -> Allocation:
-        allocations = self.trace.allocations
-        log = self._log
-        site = log.sites[seq]
-        dtype, device = t.dtype, t.device
-        alloc = Allocation(
-            len(allocations),
-            nbytes,
-            _dtype_names.get(dtype) or _dtype_name(dtype),
-            tuple(t.shape),
-            _device_names.get(device) or _device_name(device),
-            log.names[seq],
-            log.phases[seq],
-            next(self._clock),
-            None,
-            None,
-            site,
-            call_site if call_site is not site else None,
-            log.nodes[seq],
-            log.modules[seq],
-        )
-        allocations.append(alloc)
-        return alloc
+    def _new_allocation(self, t: torch.Tensor, nbytes: int, seq: int, call_site: Site | None) -> int:
+        rows = self._rows
+        rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
+        return len(rows) - 1
 
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
-        dtype, device = t.dtype, t.device
-        alloc = Allocation(
-            len(self.trace.allocations),
-            storage.nbytes(),
-            _dtype_names.get(dtype) or _dtype_name(dtype),
-            tuple(t.shape),
-            _device_names.get(device) or _device_name(device),
-            "(before the region)",
-            "other",
-            -1,
-            preexisting=True,
-        )
-        self.trace.allocations.append(alloc)
-        self._start_watch(storage, alloc)
+        rows = self._rows
+        rows.append((-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None))
+        self._start_watch(storage, len(rows) - 1)
 
-    def _start_watch(self, storage: Any, alloc: Allocation) -> None:
+    def _start_watch(self, storage: Any, index: int) -> None:
         watch = _StorageWatch(storage, self._on_free)
-        watch.allocation = alloc
+        watch.index = index
         watch.key = storage._cdata
         self._watches[watch.key] = watch
 
     def _on_free(self, watch: _StorageWatch) -> None:
         if not self._open:
             return
-        alloc = watch.allocation
-        alloc.free_tick = next(self._clock)
-        alloc.free_phase = self._last_phase
+        self._recorded.frees[watch.index] = (next(self._clock), self._last_phase)
         if self._watches.get(watch.key) is watch:
             del self._watches[watch.key]
 
@@ -334,85 +331,64 @@ class Recorder(TorchDispatchMode):
             watch = self._watches.get(storage._cdata)
             new = self._new_allocation(t, after, seq, call_site)
             if watch is not None:
-                old = watch.allocation
-                old.free_tick = next(self._clock)
-                old.free_phase = new.phase
-                watch.allocation = new
+                self._recorded.frees[watch.index] = (next(self._clock), self._ops[seq][2])
+                watch.index = new
             else:
                 self._start_watch(storage, new)
 
     # -- autograd -------------------------------------------------------------------------------
-    def _stamp_nodes(self) -> None:
-        pending, seqs = self._pending, self._pending_ops
-        self._pending, self._pending_ops = [], []
-        sites, modules = self._log.sites, self._log.modules
-        for i, ref in enumerate(pending):
-            t = ref()
-            if t is None:
-                continue
-            node = t.grad_fn
-            if node is not None:
-                metadata = _metadata(node)
-                if NODE_STAMP not in metadata:
-                    seq = seqs[i]
-                    metadata[NODE_STAMP] = (sites[seq], modules[seq])
+    def _stamp_node(self, ref: weakref.ref[torch.Tensor], seq: int, marks_saved: bool) -> None:
+        """Stamp the node that the last op's output got with that op's site, and mark what the node
+        saved for backward.
 
-    def pack_saved(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """saved_tensors_hooks pack: marks the storage as saved for backward.
-
-        Returns a detached alias of a tensor that has a grad_fn, not ``t`` itself: holding ``t`` would
-        tie the node to its own output in a reference cycle the garbage collector cannot see. The
-        version is kept so that unpacking raises on an in-place change, as autograd does without hooks.
+        Called at the next op (autograd makes a node after the op's dispatch returns). What a node
+        saved is read from the node itself (``_saved_self``, ``saved_tensors``...), not through
+        saved-tensor hooks: hooks cost a Python call per saved tensor and, under a dispatch mode, a
+        detach per unpack, and they change what autograd holds. Nodes made while the user's own
+        saved-tensor hooks were active are not read: unpacking would run those hooks (a checkpoint's
+        unpack recomputes the forward).
         """
-        if self._pending:
-            self._stamp_nodes()
-        if t.is_leaf:  # no grad_fn; asking is_leaf builds no Python node object, unlike grad_fn
-            alias = t  # a leaf or a tensor outside autograd: no node to form a cycle with
-        elif type(t) is _Tensor:
-            with _DisableTorchDispatch():  # skip every dispatch mode, memtrim's included: ~10x cheaper
-                alias = t.detach()
-        else:  # a tensor subclass (FakeTensor...) needs its __torch_dispatch__
-            self._quiet += 1
-            try:
-                alias = t.detach()
-            finally:
-                self._quiet -= 1
-        try:
-            watch = self._watches.get(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError, TypeError):
-            watch = None
-        if watch is not None and not watch.allocation.preexisting:
-            watch.allocation.saved = True
-        return alias, t._version
+        t = ref()
+        node = None if t is None else t.grad_fn
+        if node is None:
+            return
+        metadata = _metadata(node)
+        if NODE_STAMP not in metadata:
+            _, _, _, site, _, module = self._ops[seq]
+            metadata[NODE_STAMP] = (site, module)
+            # (a custom Function that returns a view of what it made gets its node on that view)
+            if (marks_saved or isinstance(node, _CustomFunctionNode)) and seq not in self._under_user_hooks:
+                self._mark_saved(node)
 
-    @staticmethod
-    def unpack_saved(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-        alias, version = packed
-        if alias._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{type(alias).__name__} {list(alias.shape)}, {alias.dtype}] is at version "
-                f"{alias._version}; expected version {version} instead. (Raised by memtrim's saved-tensor "
-                "hook; autograd raises the same error without memtrim.)"
-            )
-        return alias
+    def _mark_saved(self, node: Any) -> None:
+        watches = self._watches
+        try:
+            values = saved_getter(node)(node)
+        except RuntimeError:  # already released (backward ran without retain_graph)
+            return
+        saved = self._recorded.saved  # pre-region storages among these are ignored when read
+        for value in values:
+            for t in (value,) if isinstance(value, _Tensor) else _tensors(value):
+                try:
+                    watch = watches.get(t.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                if watch is not None:
+                    saved.add(watch.index)
 
     # -- lifetime -------------------------------------------------------------------------------
-    def finish(self, *, hooks_saw_saves: bool = True) -> None:
-        """Stop observing. Storages still watched are what was alive at the end (or at the failure).
-
-        Without saved-tensor hooks, "saved" falls back to lifetime: made in forward, freed in backward
-        (autograd frees what it saved as backward consumes it).
-        """
-        if self._pending:
-            self._stamp_nodes()
+    def finish(self) -> None:
+        """Stop observing. Storages still watched are what was alive at the end (or at the failure)."""
+        if (pending := self._pending) is not None:
+            self._pending = None
+            self._stamp_node(*pending)
         self._open = False
-        if not hooks_saw_saves:
-            for a in self.trace.allocations:
-                if a.phase == "forward" and a.free_phase == "backward":
-                    a.saved = True
+        # What autograd saved under the user's own saved-tensor hooks could not be read from the
+        # nodes: fall back to lifetime (autograd frees what it saved as backward consumes it).
+        recorded = self._recorded
+        for index in recorded.made_under_user_hooks:
+            if recorded.frees.get(index, (0, None))[1] == "backward":
+                recorded.saved.add(index)
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
-        self._pending.clear()
-        self._pending_ops.clear()
         self.trace.finished = True

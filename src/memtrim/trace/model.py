@@ -8,7 +8,7 @@ the public API reads naturally (``trace.peak_bytes``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
 if TYPE_CHECKING:
@@ -44,30 +44,24 @@ class OpCall:
     module: str | None = None
 
 
-class OpLog(Sequence[OpCall]):
-    """Every op call, stored as columns: recording appends to plain lists instead of building one object
-    per op (cheaper, and no work for the garbage collector); reading yields :class:`OpCall` objects."""
+OpRow = tuple[int, str, str, "Site | None", "str | None", "str | None"]
 
-    __slots__ = ("modules", "names", "nodes", "phases", "sites", "ticks")
+
+class OpLog(Sequence[OpCall]):
+    """Every op call, stored as a row ``(tick, op, phase, site, node, module)``: recording appends one
+    tuple per op instead of building an object (cheaper, and no work for the garbage collector);
+    reading yields :class:`OpCall` objects."""
+
+    __slots__ = ("rows",)
 
     def __init__(self) -> None:
-        self.ticks: list[int] = []
-        self.names: list[str] = []
-        self.phases: list[str] = []
-        self.sites: list[Site | None] = []
-        self.nodes: list[str | None] = []
-        self.modules: list[str | None] = []
+        self.rows: list[OpRow] = []
 
     def append(self, op: OpCall) -> None:
-        self.ticks.append(op.tick)
-        self.names.append(op.op)
-        self.phases.append(op.phase)
-        self.sites.append(op.site)
-        self.nodes.append(op.node)
-        self.modules.append(op.module)
+        self.rows.append((op.tick, op.op, op.phase, op.site, op.node, op.module))
 
     def __len__(self) -> int:
-        return len(self.ticks)
+        return len(self.rows)
 
     @overload
     def __getitem__(self, index: int) -> OpCall: ...
@@ -78,21 +72,13 @@ class OpLog(Sequence[OpCall]):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
-        return OpCall(
-            index,
-            self.ticks[index],
-            self.names[index],
-            self.phases[index],
-            self.sites[index],
-            self.nodes[index],
-            self.modules[index],
-        )
+        return OpCall(index, *self.rows[index])
 
     def __iter__(self) -> Iterator[OpCall]:
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, OpLog) and list(self) == list(other)
+        return isinstance(other, OpLog) and self.rows == other.rows
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -161,18 +147,119 @@ class Allocation:
         }
 
 
-@dataclass
+class AllocationLog:
+    """Allocations as the recorder writes them: one row per storage, frees and saves by row number.
+
+    :class:`Allocation` objects are made from the rows when a trace is first read, not while the
+    program runs: what an op made (name, phase, site, node, module) is looked up in the op log by
+    the row's op number, and dtypes, devices and shapes are kept as torch gave them until then.
+    A row's op number is -1 for a storage that existed before the region.
+    """
+
+    __slots__ = ("frees", "made_under_user_hooks", "rows", "saved")
+
+    def __init__(self) -> None:
+        # (op seq, bytes, dtype, shape, device, alloc tick, call site)
+        self.rows: list[tuple[Any, ...]] = []
+        self.frees: dict[int, tuple[int, str]] = {}  # row -> (free tick, phase at the free)
+        self.saved: set[int] = set()
+        self.made_under_user_hooks: list[int] = []
+
+    def materialize(self, ops: OpLog) -> list[Allocation]:
+        op_rows = ops.rows
+        frees, saved = self.frees, self.saved
+        allocations = []
+        for i, (seq, nbytes, dtype, shape, device, tick, call_site) in enumerate(self.rows):
+            free_tick, free_phase = frees.get(i, (None, None))
+            if seq < 0:
+                allocations.append(
+                    Allocation(
+                        i,
+                        nbytes,
+                        _name(dtype),
+                        tuple(shape),
+                        _name(device),
+                        "(before the region)",
+                        "other",
+                        -1,
+                        free_tick,
+                        free_phase,
+                        preexisting=True,
+                    )
+                )
+                continue
+            _, op, phase, site, node, module = op_rows[seq]
+            allocations.append(
+                Allocation(
+                    i,
+                    nbytes,
+                    _name(dtype),
+                    tuple(shape),
+                    _name(device),
+                    op,
+                    phase,
+                    tick,
+                    free_tick,
+                    free_phase,
+                    site,
+                    call_site if call_site is not site else None,
+                    node,
+                    module,
+                    i in saved,
+                )
+            )
+        return allocations
+
+
+_names: dict[Any, str] = {}
+
+
+def _name(value: Any) -> str:
+    """``float32`` for torch.float32, ``cuda:0`` for a device (names are kept in the trace as text)."""
+    name = _names.get(value)
+    if name is None:
+        name = _names[value] = str(value).removeprefix("torch.")
+    return name
+
+
 class Trace:
     """Everything recorded in one ``memtrim.track()`` region."""
 
-    ops: OpLog = field(default_factory=OpLog)
-    allocations: list[Allocation] = field(default_factory=list)
-    end_tick: int = 0
-    fake: bool = False
-    error: str | None = None
-    failed_op: OpCall | None = None
-    cuda_max_allocated: dict[str, int] = field(default_factory=dict)
-    finished: bool = False
+    def __init__(
+        self,
+        *,
+        ops: OpLog | None = None,
+        allocations: list[Allocation] | None = None,
+        end_tick: int = 0,
+        fake: bool = False,
+        error: str | None = None,
+        failed_op: OpCall | None = None,
+        cuda_max_allocated: dict[str, int] | None = None,
+        finished: bool = False,
+    ) -> None:
+        self.ops = ops if ops is not None else OpLog()
+        self._allocations = allocations if allocations is not None else []
+        self.recorded: AllocationLog | None = None  # set by the recorder; read into allocations
+        self.end_tick = end_tick
+        self.fake = fake
+        self.error = error
+        self.failed_op = failed_op
+        self.cuda_max_allocated = cuda_max_allocated if cuda_max_allocated is not None else {}
+        self.finished = finished
+
+    @property
+    def allocations(self) -> list[Allocation]:
+        """Every allocation, in the order made (pre-region storages where first seen)."""
+        if self.recorded is not None:
+            if not self.finished:  # read while recording: a snapshot of what is known so far
+                return self.recorded.materialize(self.ops)
+            self._allocations = self.recorded.materialize(self.ops)
+            self.recorded = None
+        return self._allocations
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else "recording"
+        return f"<memtrim.Trace {state}: {len(self.ops)} ops, {len(self.allocations)} allocations>"
 
     # -- analysis (delegated; see memtrim.analysis) -------------------------------------------------
     @property
