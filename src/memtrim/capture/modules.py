@@ -26,14 +26,12 @@ class ModulePath(threading.local):
     entry: Walk | None = None  # the user-site walk made when the innermost module was entered
     _handles: tuple[RemovableHandle, ...] = ()
 
-    def _stack(self) -> list[tuple[torch.nn.Module, str, Walk]]:
-        stack: list[tuple[torch.nn.Module, str, Walk]] | None = self.__dict__.get("stack")
-        if stack is None:
-            stack = self.__dict__["stack"] = []
-        return stack
+    def __init__(self) -> None:
+        # threading.local runs __init__ again in each thread that uses the object: a stack per thread
+        self.stack: list[tuple[torch.nn.Module, str | None, Walk | None]] = []
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        stack = self._stack()
+        stack = self.stack
         if not stack:
             path = type(module).__name__
         else:
@@ -54,13 +52,11 @@ class ModulePath(threading.local):
         self.path, self.entry = path, entry
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = self._stack()
+        stack = self.stack
         # Pop down to this module: a hook that raised may have skipped a child's exit.
-        while stack:
-            top, _, _ = stack.pop()
-            if top is module:
-                break
-        self.path, self.entry = (stack[-1][1], stack[-1][2]) if stack else (None, None)
+        while stack and stack.pop()[0] is not module:
+            pass
+        _, self.path, self.entry = stack[-1] if stack else (None, None, None)
 
     def install(self) -> None:
         modules = torch.nn.modules.module
@@ -73,5 +69,5 @@ class ModulePath(threading.local):
         for handle in self._handles:
             handle.remove()
         self._handles = ()
-        self.__dict__.pop("stack", None)
+        self.stack.clear()
         self.path = self.entry = None

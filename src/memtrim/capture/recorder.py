@@ -135,6 +135,11 @@ class _OpInfo:
 _infos: dict[int, _OpInfo] = {}
 
 
+def _new_info(func: Any) -> _OpInfo:
+    info = _infos[id(func)] = _OpInfo(func)
+    return info
+
+
 class Recorder(TorchDispatchMode):
     """Records into ``trace``; see :func:`memtrim.track` for the public entry point."""
 
@@ -174,27 +179,24 @@ class Recorder(TorchDispatchMode):
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
-        info = _infos.get(id(func))
-        if info is None:
-            info = _infos[id(func)] = _OpInfo(func)
+        info = _infos.get(id(func)) or _new_info(func)
 
         modules = self.modules
+        entry = modules.entry
         caller = _getframe(1)
         if caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
             # Every op the engine runs for one backward call sees the same, suspended frames above
             # it: walk them once per graph task (and innermost module entry).
             walk = self._engine_walk
-            if walk[0] != task or walk[1] is not modules.entry:
-                walk = self._engine_walk = (task, modules.entry, user_site(caller, modules.entry))
+            if walk[0] != task or walk[1] is not entry:
+                walk = self._engine_walk = (task, entry, user_site(caller, entry))
             call_site, between = walk[2]
         else:
-            call_site, between = user_site(caller, modules.entry)
-        node = _current_autograd_node()
-        grad_enabled = _is_grad_enabled()
+            call_site, between = user_site(caller, entry)
         if not info.lifts:
             watches = self._watches
             try:
-                for t in args if not kwargs else (*args, *kwargs.values()):
+                for t in (*args, *kwargs.values()) if kwargs else args:
                     if isinstance(t, _Tensor):
                         storage = t.untyped_storage()
                         if storage._cdata not in watches:
@@ -204,49 +206,51 @@ class Recorder(TorchDispatchMode):
             except (RuntimeError, NotImplementedError, TypeError):
                 # sparse/nested/opaque tensors have no single storage: account what can be
                 self._watch_inputs((*args, *kwargs.values()))
+
+        node = _current_autograd_node()
+        grad_enabled = _is_grad_enabled()
         site, module = call_site, modules.path
-        node_name = None
-        if node is not None or between == ENGINE:
+        if node is not None:
             phase = "backward"
-            if node is not None:
-                node_name = node.name()
-                # An op the engine ran for a built-in node has no user frame of its own: point at the
-                # forward line that made the node. Code inside a custom backward keeps its own line.
-                if between == ENGINE or call_site is None:
-                    site, module = _metadata(node).get(NODE_STAMP, (call_site, module))
-        elif between == OPTIMIZER:
-            phase = "other"
-        elif grad_enabled or inside_function_forward(_getframe(1)):
-            phase = "forward"  # grad mode is off inside a custom Function's forward
+            node_name = node.name()
+            # An op the engine ran for a built-in node has no user frame of its own: point at the
+            # forward line that made the node. Code inside a custom backward keeps its own line.
+            if between == ENGINE or call_site is None:
+                site, module = _metadata(node).get(NODE_STAMP) or (site, module)
         else:
-            phase = "other"
+            node_name = None
+            if between == ENGINE:
+                phase = "backward"
+            elif between == OPTIMIZER:
+                phase = "other"
+            elif grad_enabled or inside_function_forward(caller):
+                phase = "forward"  # grad mode is off inside a custom Function's forward
+            else:
+                phase = "other"
         self._last_phase = phase
 
-        log = self._ops
-        seq = len(log)
-        log.append((next(self._clock), info.name, phase, site, node_name, module))
+        ops = self._ops
+        seq = len(ops)
+        ops.append((next(self._clock), info.name, phase, site, node_name, module))
         written = self._written_sizes(info, args, kwargs) if info.writes else None
-
         try:
             out = info.call(*args, **kwargs)
         except BaseException:
             self.trace.failed_op = self.trace.ops[seq]
             raise
-
         if written:
             self._record_resizes(written, seq, call_site)
         if info.lifts:
             self._record_lifted(args, seq, call_site)
-        # Autograd gives outputs a node after this returns. Inside a custom Function's forward grad mode
-        # is off, but the Function's own node lands on what it returns; with create_graph=True
-        # backward ops make nodes too.
-        stamp = phase == "forward" or (grad_enabled and phase == "backward")
+
+        # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
+        # output is enough: the differentiable outputs of an op share their node. Inside a custom
+        # Function's forward grad mode is off, but the Function's node lands on what it returns.
+        stamp = grad_enabled or phase == "forward"
         hooked = stamp and _user_saved_hooks(False) is not None
         if hooked:
             self._under_user_hooks.add(seq)
         watches, rows = self._watches, self._rows
-        # One output is enough to find the node: the differentiable outputs of an op share it.
-        unstamped = stamp
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
             try:
                 storage = t.untyped_storage()
@@ -255,15 +259,15 @@ class Recorder(TorchDispatchMode):
             else:
                 key = storage._cdata
                 if key not in watches and (nbytes := storage.nbytes()):
-                    # a new storage (inlined _new_allocation and _start_watch: this runs per op)
+                    # a new storage (_new_allocation and _start_watch, inlined)
                     watch = watches[key] = _StorageWatch(storage, self._on_free)
                     watch.index, watch.key = len(rows), key
                     rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
                     if hooked:
                         self._recorded.made_under_user_hooks.append(watch.index)
-            if unstamped and (t.is_floating_point() or t.is_complex()):
+            if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending = (weakref.ref(t), seq, info.saves)
-                unstamped = False
+                stamp = False
         return out
 
     def _watch_inputs(self, values: Any) -> None:
@@ -361,20 +365,31 @@ class Recorder(TorchDispatchMode):
                 self._mark_saved(node)
 
     def _mark_saved(self, node: Any) -> None:
-        watches = self._watches
         try:
-            values = saved_getter(node)(node)
+            values = (_saved_getters.get(type(node)) or saved_getter(node))(node)
         except RuntimeError:  # already released (backward ran without retain_graph)
             return
-        saved = self._recorded.saved  # pre-region storages among these are ignored when read
-        for value in values:
-            for t in (value,) if isinstance(value, _Tensor) else _tensors(value):
-                try:
-                    watch = watches.get(t.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError, TypeError):
-                    continue
-                if watch is not None:
-                    saved.add(watch.index)
+        watches, saved = self._watches, self._recorded.saved  # pre-region storages: ignored when read
+        try:
+            for value in values:
+                if isinstance(value, _Tensor):
+                    watch = watches.get(value.untyped_storage()._cdata)
+                    if watch is not None:
+                        saved.add(watch.index)
+                elif value:  # a list of tensors (and Nones)
+                    self._mark_saved_tensors(value)
+        except (RuntimeError, NotImplementedError, TypeError):
+            # sparse/nested/opaque tensors have no single storage: mark what can be
+            self._mark_saved_tensors(values)
+
+    def _mark_saved_tensors(self, values: Any) -> None:
+        for t in _tensors(values):
+            try:
+                watch = self._watches.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if watch is not None:
+                self._recorded.saved.add(watch.index)
 
     # -- lifetime -------------------------------------------------------------------------------
     def finish(self) -> None:
