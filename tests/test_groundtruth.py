@@ -183,3 +183,39 @@ def test_detach_is_not_recorded_and_changes_nothing() -> None:
     trace = assert_agrees(program)
     assert "aten.detach.default" not in {op.op for op in trace.ops}
     assert "aten.mul.Tensor" in {op.op for op in trace.ops}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_saved_bytes_agree_with_what_autograd_packs(program: tuple) -> None:
+    # Ground truth: autograd's own saved-tensor hooks, in a separate untracked run of the same
+    # program, name every tensor it saves; memtrim reads the nodes instead. Every result is kept, so
+    # no graph (and no saved storage) dies before the end.
+    shapes, steps, _ = program
+    inputs = [torch.randn(*shape, requires_grad=True) for shape in shapes]
+    before = {t.untyped_storage()._cdata for t in inputs}
+
+    def run(keep: list[torch.Tensor]) -> None:
+        live = list(inputs)
+        for name, i, j, _drop in steps:
+            x, y = live[i % len(live)], live[j % len(live)]
+            live.append(apply_unary(name, x) if name in UNARY else apply_binary(name, x, y))
+        keep.extend(live)
+
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in before:
+            packed[storage._cdata] = storage.nbytes()
+        return t
+
+    oracle_keep: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(oracle_keep)
+
+    keep: list[torch.Tensor] = []
+    with memtrim.track() as trace:
+        run(keep)
+    saved = [a for a in trace.allocations if a.saved]
+    assert sorted(a.bytes for a in saved) == sorted(packed.values())
