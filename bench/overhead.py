@@ -140,8 +140,8 @@ def main() -> None:
         ours, prof = m["memtrim_ratio"], m["profiler_ratio"]
         verdict = "met" if ours <= target else "MISSED"
         print(
-            f"| {name} | {base * 1e3:.2f} ms | {m['memtrim'] * 1e3:.2f} ms | {ours:.2f}x | "
-            f"{m['empty_ratio']:.2f}x | {m['profiler'] * 1e3:.2f} ms | {prof:.2f}x | <= {target}x {verdict} |"
+            f"| {name} | {base * 1e3:.2f} ms | {m['memtrim'] * 1e3:.2f} ms | {ours:.3f}x | "
+            f"{m['empty_ratio']:.3f}x | {m['profiler'] * 1e3:.2f} ms | {prof:.3f}x | <= {target}x {verdict} |"
         )
 
 
