@@ -367,7 +367,9 @@ class Recorder(TorchDispatchMode):
     def _mark_saved(self, node: Any) -> None:
         try:
             values = (_saved_getters.get(type(node)) or saved_getter(node))(node)
-        except RuntimeError:  # already released (backward ran without retain_graph)
+        except Exception:
+            # Released already (backward ran without retain_graph), or a node kind that cannot be
+            # read: reading is best effort and must never break the program being tracked.
             return
         watches, saved = self._watches, self._recorded.saved  # pre-region storages: ignored when read
         try:
