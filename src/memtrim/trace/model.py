@@ -171,24 +171,10 @@ class AllocationLog:
         allocations = []
         for i, (seq, nbytes, dtype, shape, device, tick, call_site) in enumerate(self.rows):
             free_tick, free_phase = frees.get(i, (None, None))
-            if seq < 0:
-                allocations.append(
-                    Allocation(
-                        i,
-                        nbytes,
-                        _name(dtype),
-                        tuple(shape),
-                        _name(device),
-                        "(before the region)",
-                        "other",
-                        -1,
-                        free_tick,
-                        free_phase,
-                        preexisting=True,
-                    )
-                )
-                continue
-            _, op, phase, site, node, module = op_rows[seq]
+            if seq < 0:  # from before the region
+                op, phase, site, node, module = "(before the region)", "other", None, None, None
+            else:
+                _, op, phase, site, node, module = op_rows[seq]
             allocations.append(
                 Allocation(
                     i,
@@ -205,7 +191,8 @@ class AllocationLog:
                     call_site if call_site is not site else None,
                     node,
                     module,
-                    i in saved,
+                    saved=seq >= 0 and i in saved,
+                    preexisting=seq < 0,
                 )
             )
         return allocations
