@@ -158,7 +158,6 @@ class Block(torch.nn.Module):
 
 
 def test_ops_inside_torch_modules_point_at_the_user_line_that_called_them() -> None:
-    # memtrim reuses the walk made when a module was entered; this checks that shortcut
     block = Block()
     with memtrim.track() as trace:
         block(torch.randn(4, 8)).sum().backward()
@@ -172,6 +171,53 @@ def test_ops_inside_torch_modules_point_at_the_user_line_that_called_them() -> N
     assert by_op[("aten.gelu_backward.default", "backward")].line == line_of(
         Block.forward, "h = self.proj(x)"
     )
+    # an op in the user's own forward, after a submodule returned, is the block's, not the submodule's
+    assert by_op[("aten.mul.Tensor", "forward")].module == "Block"
+
+
+class TracksInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.traces: list[memtrim.Trace] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with memtrim.track() as trace:
+            y = self.inner(x).relu()
+        self.traces.append(trace)
+        return y
+
+
+def test_module_path_of_a_region_opened_inside_a_forward() -> None:
+    outer = torch.nn.Sequential(torch.nn.Identity(), TracksInside())
+    outer(torch.randn(2, 8))
+    (trace,) = outer[1].traces
+    modules = {a.op: a.module for a in trace.allocations if not a.preexisting}
+    assert modules == {"aten.addmm.default": "Sequential.1.inner", "aten.relu.default": "Sequential.1"}
+
+
+def test_module_path_with_the_users_own_module_hooks() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    seen: list[str] = []
+    handle = model[0].register_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    x = torch.randn(2, 8)
+    try:
+        with memtrim.track() as trace:
+            model(x)
+    finally:
+        handle.remove()
+    assert seen == ["Linear"]
+    modules = {a.op: a.module for a in trace.allocations if not a.preexisting}
+    assert modules == {"aten.addmm.default": "Sequential.0", "aten.relu.default": "Sequential.1"}
+
+
+def test_a_shared_module_keeps_the_path_it_was_first_seen_with() -> None:
+    act = torch.nn.Tanh()
+    first, second = torch.nn.Sequential(act), torch.nn.Sequential(torch.nn.Identity(), act)
+    with memtrim.track() as trace:
+        first(torch.randn(4))
+        second(torch.randn(4))
+    assert [a.module for a in trace.allocations if a.op == "aten.tanh.default"] == ["Sequential.0"] * 2
 
 
 def test_saved_is_read_from_the_autograd_nodes() -> None:

@@ -80,8 +80,6 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
         cuda.begin()
         stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
         stack.enter_context(recorder)
-        recorder.modules.install()
-        stack.callback(recorder.modules.remove)
         stack.callback(recorder.finish)
         try:
             yield trace

@@ -12,6 +12,7 @@ from types import CodeType, FrameType
 import torch
 import torch.autograd.graph
 
+from memtrim.capture.modules import module_path
 from memtrim.trace.model import Site
 
 USER, INTERNAL, ENGINE, OPTIMIZER, MODULE_CALL = 0, 1, 2, 3, 4
@@ -36,12 +37,8 @@ _ENGINE_CODES: frozenset[CodeType] = frozenset(
 # Function.apply: ops below it run a custom autograd.Function's forward, where grad mode is off.
 _FUNCTION_APPLY: CodeType = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
-# nn.Module.__call__'s frames. Everything above the innermost one was already walked when that module
-# was entered (see ModulePath), so a walk that reaches one can stop and reuse that result.
+# nn.Module._call_impl: the frame of a module call, whose ``self`` is the module.
 _CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
-_MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
-    {_CALL_IMPL, *(c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner")}
-)
 
 # Keyed by id(code): a code object's hash is not cached and covers its constants (nested code
 # included), which made hashing the largest per-op cost. _held keeps every classified code alive so
@@ -54,7 +51,7 @@ _sites: dict[tuple[int, int], Site] = {}
 def _classify(code: CodeType) -> int:
     if code in _ENGINE_CODES:
         return ENGINE
-    if code in _MODULE_CALL_CODES:
+    if code is _CALL_IMPL:
         return MODULE_CALL
     name = code.co_filename
     if name.startswith(_OPTIM_DIR):
@@ -79,42 +76,42 @@ def _kind(code: CodeType) -> int:
     return kind
 
 
-Walk = tuple["Site | None", int]
+Walk = tuple["Site | None", int, "str | None"]
 
 
-def user_site(frame: FrameType | None, module_entry: Walk | None = None) -> Walk:
-    """The innermost user frame above ``frame`` and what stood between: INTERNAL, ENGINE or OPTIMIZER.
+def user_site(frame: FrameType | None) -> Walk:
+    """The innermost user frame above ``frame``, what stood between (INTERNAL, ENGINE or OPTIMIZER),
+    and the path of the innermost nn.Module running.
 
     ENGINE means the op was run on behalf of ``loss.backward()``/``autograd.grad``: the user frame
-    returned is then that call, not the code that made the op. ``module_entry`` is the walk made when
-    the innermost running nn.Module was entered; reaching that module's call frame ends the walk there.
+    returned is then that call, not the code that made the op. The walk goes on until it has met both
+    the user frame and a module call (a user's ``forward`` is one frame below its module's), or the
+    stack ends.
     """
     seen = INTERNAL
+    site: Site | None = None
+    module_frame: FrameType | None = None
     kinds = _kinds
     while frame is not None:
         code = frame.f_code
         kind = kinds.get(id(code))
         if kind is None:
             kind = _kind(code)
-        if kind == USER:
-            line = frame.f_lineno
-            site = _sites.get((id(code), line))
-            return (site if site is not None else _new_site(code, line)), seen
-        if kind != INTERNAL:
-            if kind == MODULE_CALL and module_entry is not None:
-                return module_entry[0], module_entry[1] if seen == INTERNAL else seen
-            if kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
+        if kind == MODULE_CALL:
+            if module_frame is None:
+                module_frame = frame
+                if site is not None:
+                    break
+        elif site is None:
+            if kind == USER:
+                line = frame.f_lineno
+                site = _sites.get((id(code), line)) or _new_site(code, line)
+                if module_frame is not None:
+                    break
+            elif kind == ENGINE or (kind == OPTIMIZER and seen != ENGINE):
                 seen = kind
         frame = frame.f_back
-    return None, seen
-
-
-def module_entry_site(frame: FrameType | None, parent_entry: Walk | None) -> Walk:
-    """The walk for a module being entered, from inside its forward pre-hook: skip the module's own
-    call frames, then walk as for an op, stopping at the parent module's call frame."""
-    while frame is not None and frame.f_code is not _CALL_IMPL:
-        frame = frame.f_back
-    return user_site(frame.f_back if frame is not None else None, parent_entry)
+    return site, seen, None if module_frame is None else module_path(module_frame)
 
 
 def inside_function_forward(frame: FrameType | None) -> bool:

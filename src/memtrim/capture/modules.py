@@ -1,73 +1,74 @@
-"""The nn.Module path of the code that is running (``GPT2.blocks.3.attn``), via global module hooks."""
+"""The nn.Module path of the code that is running (``GPT2.blocks.3.attn``), read from the call stack.
+
+Every ``module(x)`` call runs ``nn.Module._call_impl`` with the module as ``self``: the chain of those
+frames above an op is the chain of modules it runs in. Reading it costs nothing until an op asks,
+where module hooks would cost every module call (global hooks also move every call onto torch's
+slow path). A module's path is computed the first time it is seen and kept while the module lives.
+"""
 
 from __future__ import annotations
 
-import threading
-from sys import _getframe
-from typing import Any
+import functools
+import itertools
+import weakref
+from types import CodeType, FrameType
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
-from memtrim.capture.frames import Walk, module_entry_site
+CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
 
-# (id(parent), id(child)) -> the child's name in the parent, shared by all regions and threads.
+# id(parent), id(child) -> the child's name in the parent
 _names: dict[tuple[int, int], str] = {}
+# id(module) -> (a weak reference to it, its path), dropped when the module is freed
+_paths: dict[int, tuple[weakref.ref[torch.nn.Module], str]] = {}
 
 
-class ModulePath(threading.local):
-    """Per thread: the dotted path of the innermost module running (``path``), kept by global hooks.
+def module_of(frame: FrameType) -> torch.nn.Module | None:
+    """The module a ``_call_impl`` frame runs."""
+    module = frame.f_locals.get("self")
+    return module if isinstance(module, torch.nn.Module) else None
 
-    A ``threading.local`` subclass so that reading ``path`` on the per-op hot path is one attribute
-    lookup; the class attributes are each new thread's defaults.
+
+def module_path(frame: FrameType) -> str | None:
+    """The dotted path of the module whose ``_call_impl`` frame is ``frame``.
+
+    A module called from two different parents keeps the path it was first seen with.
     """
+    module = module_of(frame)
+    if module is None:
+        return None
+    known = _paths.get(id(module))
+    if known is not None and known[0]() is module:
+        return known[1]
+    path = _build_path(module, frame.f_back)
+    key = id(module)
+    _paths[key] = (weakref.ref(module, functools.partial(_forget, key)), path)
+    return path
 
-    path: str | None = None
-    entry: Walk | None = None  # the user-site walk made when the innermost module was entered
-    _handles: tuple[RemovableHandle, ...] = ()
 
-    def __init__(self) -> None:
-        # threading.local runs __init__ again in each thread that uses the object: a stack per thread
-        self.stack: list[tuple[torch.nn.Module, str | None, Walk | None]] = []
+def _forget(key: int, _: weakref.ref[torch.nn.Module]) -> None:
+    _paths.pop(key, None)
 
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        stack = self.stack
-        if not stack:
-            path = type(module).__name__
-        else:
-            parent, parent_path, _ = stack[-1]
-            # Scanning a long Sequential for the child costs more than the rest of the hook: reuse the
-            # name found last time, checked against the parent so that a reused id cannot mislead.
-            key = (id(parent), id(module))
-            child = _names.get(key)
-            if child is None or parent._modules.get(child) is not module:
-                child = next((n for n, m in parent._modules.items() if m is module), None)
-                if child is not None:
-                    if len(_names) > 100_000:  # ids of modules long gone: start afresh
-                        _names.clear()
-                    _names[key] = child
-            path = f"{parent_path}.{child if child is not None else type(module).__name__}"
-        entry = module_entry_site(_getframe(1), self.entry)
-        stack.append((module, path, entry))
-        self.path, self.entry = path, entry
 
-    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = self.stack
-        # Pop down to this module: a hook that raised may have skipped a child's exit.
-        while stack and stack.pop()[0] is not module:
-            pass
-        _, self.path, self.entry = stack[-1] if stack else (None, None, None)
+def _build_path(module: torch.nn.Module, frame: FrameType | None) -> str:
+    chain = [module]
+    while frame is not None:
+        if frame.f_code is CALL_IMPL and (parent := module_of(frame)) is not None:
+            chain.append(parent)
+        frame = frame.f_back
+    outermost_first = chain[::-1]
+    names = [_child_name(parent, child) for parent, child in itertools.pairwise(outermost_first)]
+    return ".".join([type(outermost_first[0]).__name__, *names])
 
-    def install(self) -> None:
-        modules = torch.nn.modules.module
-        self._handles = (
-            modules.register_module_forward_pre_hook(self._enter),
-            modules.register_module_forward_hook(self._exit, always_call=True),
-        )
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = ()
-        self.stack.clear()
-        self.path = self.entry = None
+def _child_name(parent: torch.nn.Module, child: torch.nn.Module) -> str:
+    key = (id(parent), id(child))
+    name = _names.get(key)
+    if name is None or parent._modules.get(name) is not child:
+        name = next((n for n, m in parent._modules.items() if m is child), None)
+        if name is None:  # called by a module that does not own it
+            return type(child).__name__
+        if len(_names) > 100_000:  # ids of modules long gone: start afresh
+            _names.clear()
+        _names[key] = name
+    return name

@@ -28,7 +28,6 @@ from memtrim.capture.frames import (
     inside_function_forward,
     user_site,
 )
-from memtrim.capture.modules import ModulePath
 from memtrim.trace.model import AllocationLog, Site, Trace
 
 _Tensor = torch.Tensor
@@ -152,7 +151,6 @@ class Recorder(TorchDispatchMode):
     def __init__(self, trace: Trace) -> None:
         super().__init__()
         self.trace = trace
-        self.modules = ModulePath()
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
         self._ops = trace.ops.rows
@@ -162,7 +160,7 @@ class Recorder(TorchDispatchMode):
         # stamped, and the op's number
         self._pending: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
         self._last_phase = "other"
-        self._engine_walk: tuple[int, Walk | None, Walk] = (-1, None, (None, INTERNAL))
+        self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
         # forward ops run under the user's saved-tensor hooks (whose nodes are not read) and what they made
         self._under_user_hooks: set[int] = set()
         self._open = True
@@ -181,18 +179,16 @@ class Recorder(TorchDispatchMode):
             self._stamp_node(*pending)
         info = _infos.get(id(func)) or _new_info(func)
 
-        modules = self.modules
-        entry = modules.entry
         caller = _getframe(1)
         if caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
             # Every op the engine runs for one backward call sees the same, suspended frames above
-            # it: walk them once per graph task (and innermost module entry).
+            # it: walk them once per graph task.
             walk = self._engine_walk
-            if walk[0] != task or walk[1] is not entry:
-                walk = self._engine_walk = (task, entry, user_site(caller, entry))
-            call_site, between = walk[2]
+            if walk[0] != task:
+                walk = self._engine_walk = (task, user_site(caller))
+            call_site, between, module = walk[1]
         else:
-            call_site, between = user_site(caller, entry)
+            call_site, between, module = user_site(caller)
         if not info.lifts:
             watches = self._watches
             try:
@@ -209,7 +205,7 @@ class Recorder(TorchDispatchMode):
 
         node = _current_autograd_node()
         grad_enabled = _is_grad_enabled()
-        site, module = call_site, modules.path
+        site = call_site
         if node is not None:
             phase = "backward"
             node_name = node.name()
