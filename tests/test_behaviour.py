@@ -164,3 +164,32 @@ def test_cuda_prediction_rounds_every_block_to_512_bytes() -> None:
         del a, b
     assert trace.peak_bytes == 4004
     assert trace.peak_bytes_as("cuda") == 512 + 4096
+
+
+def test_ops_on_a_thread_with_no_python_frames_are_recorded() -> None:
+    # CUDA backward runs ops on autograd's device threads, where no Python frame calls them: a thread
+    # started on a C function, which pushes the tracker and runs an op, has the same empty stack.
+    import _thread
+    import itertools
+    import operator
+    import threading
+
+    from memtrim.capture.recorder import Recorder
+    from memtrim.trace.model import Trace
+
+    recorder = Recorder(Trace())
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    done = threading.Event()
+    steps = [
+        (torch._C._push_on_torch_dispatch_stack, recorder),
+        (torch.mm, a, b),
+        (torch._C._pop_torch_dispatch_stack, None),
+        (done.set,),
+    ]
+    _thread.start_new_thread(list, (itertools.starmap(operator.call, steps),))
+    assert done.wait(10), "the op raised on the frameless thread"
+    recorder.finish()
+    trace = recorder.trace
+    assert [op.op for op in trace.ops] == ["aten.mm.default"]
+    (made,) = [x for x in trace.allocations if not x.preexisting]
+    assert made.bytes == 64 * 64 * 4 and made.site is None and made.free_tick is not None

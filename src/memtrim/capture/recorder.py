@@ -179,8 +179,9 @@ class Recorder(TorchDispatchMode):
             self._stamp_node(*pending)
         info = _infos.get(id(func)) or _new_info(func)
 
-        caller = _getframe(1)
-        if caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
+        # None on autograd's device threads (CUDA backward), where no Python frame calls the op
+        caller = _getframe(0).f_back
+        if caller is not None and caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
             # Every op the engine runs for one backward call sees the same, suspended frames above
             # it: walk them once per graph task.
             walk = self._engine_walk
