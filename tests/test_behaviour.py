@@ -190,6 +190,6 @@ def test_ops_on_a_thread_with_no_python_frames_are_recorded() -> None:
     assert done.wait(10), "the op raised on the frameless thread"
     recorder.finish()
     trace = recorder.trace
-    assert [op.op for op in trace.ops] == ["aten.mm.default"]
+    assert [(op.op, op.phase) for op in trace.ops] == [("aten.mm.default", "backward")]
     (made,) = [x for x in trace.allocations if not x.preexisting]
     assert made.bytes == 64 * 64 * 4 and made.site is None and made.free_tick is not None

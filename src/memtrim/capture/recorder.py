@@ -179,9 +179,12 @@ class Recorder(TorchDispatchMode):
             self._stamp_node(*pending)
         info = _infos.get(id(func)) or _new_info(func)
 
-        # None on autograd's device threads (CUDA backward), where no Python frame calls the op
         caller = _getframe(0).f_back
-        if caller is not None and caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
+        if caller is None:
+            # No Python frame calls the op: one of autograd's device threads (CUDA backward), the
+            # only threads that run ops under a mode their Python code did not enter.
+            call_site, between, module = None, ENGINE, None
+        elif caller.f_code is _ENGINE_RUN and (task := _current_graph_task_id()) != -1:
             # Every op the engine runs for one backward call sees the same, suspended frames above
             # it: walk them once per graph task.
             walk = self._engine_walk
