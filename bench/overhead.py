@@ -4,9 +4,10 @@
 
 Targets (issue 2): at most 1.10x on the head-results workload, at most 3x on the op-heavy
 small-tensor workload, where torch.profiler (profile_memory, with_stack, record_shapes) costs ~10x.
-Each tool is timed against untracked runs in its own A/B loop (medians), with garbage collected
-before every run. The "empty mode" column is a TorchDispatchMode that only calls each op: the part of
-any dispatch-mode tracker's cost that no Python code inside it can remove.
+Untracked, memtrim and the empty mode run in turn in one loop, the profiler in its own A/B loop
+(medians of --repeats rounds), with garbage collected before every run. The "empty mode" column is
+a TorchDispatchMode that only calls each op: the part of any dispatch-mode tracker's cost that no
+Python code inside it can remove.
 """
 
 from __future__ import annotations
@@ -74,20 +75,22 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def ab(base: Callable[[], None], other: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Medians of ``base`` and ``other`` timed alternately, after one warm-up run of each."""
-    base()
-    other()
-    times: tuple[list[float], list[float]] = ([], [])
+def interleaved(variants: list[Callable[[], None]], repeats: int) -> list[float]:
+    """Median times of ``variants`` run in turn, ``repeats`` rounds, after one warm-up run of each:
+    a slow spell of the machine then lands on every variant alike."""
+    for fn in variants:
+        fn()
+    times: list[list[float]] = [[] for _ in variants]
     for _ in range(repeats):
-        times[0].append(timed(base))
-        times[1].append(timed(other))
-    return statistics.median(times[0]), statistics.median(times[1])
+        for fn, sample in zip(variants, times, strict=True):
+            sample.append(timed(fn))
+    return [statistics.median(sample) for sample in times]
 
 
 def measure(step: Callable[[], None], repeats: int) -> dict[str, float]:
-    """Each tool against untracked runs in its own A/B loop: the profiler's many allocations would
-    otherwise change the allocator's state under the neighbouring memtrim runs."""
+    """Untracked, memtrim and the empty mode interleaved in one loop; the profiler against untracked
+    runs in a loop of its own, because its many allocations change the allocator's state under
+    whatever runs next."""
 
     def tracked() -> None:
         with memtrim.track():
@@ -103,14 +106,13 @@ def measure(step: Callable[[], None], repeats: int) -> dict[str, float]:
         with EmptyMode():
             step()
 
-    base_m, ours = ab(step, tracked, repeats)
-    base_e, empty = ab(step, empty_mode, repeats)
-    base_p, prof = ab(step, profiled, repeats)
+    base, ours, empty = interleaved([step, tracked, empty_mode], repeats)
+    base_p, prof = interleaved([step, profiled], repeats)
     return {
-        "untracked": base_m,
+        "untracked": base,
         "memtrim": ours,
-        "memtrim_ratio": ours / base_m,
-        "empty_ratio": empty / base_e,
+        "memtrim_ratio": ours / base,
+        "empty_ratio": empty / base,
         "profiler": prof,
         "profiler_ratio": prof / base_p,
     }
@@ -120,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=61)
+    parser.add_argument("--repeats", type=int, default=151)
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
