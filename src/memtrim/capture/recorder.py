@@ -95,8 +95,8 @@ def saved_getter(node: Any) -> Callable[[Any], tuple[Any, ...]]:
 
 _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 # Not recorded: a detach never allocates (its output shares the input's storage), and autograd issues
-# one around every tensor it saves for backward, so recording them would double the op count of
-# training code and tell a reader nothing.
+# them internally (one per parameter when it stores a gradient in .grad), which would tell a reader
+# nothing.
 _DETACH = torch.ops.aten.detach.default
 _detach = _DETACH._op
 
@@ -161,7 +161,7 @@ class Recorder(TorchDispatchMode):
         self._pending: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
         self._last_phase = "other"
         self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
-        # forward ops run under the user's saved-tensor hooks (whose nodes are not read) and what they made
+        # forward ops run under the user's saved-tensor hooks, whose nodes are not read
         self._under_user_hooks: set[int] = set()
         self._open = True
 
