@@ -12,7 +12,7 @@ from types import CodeType, FrameType
 import torch
 import torch.autograd.graph
 
-from memtrim.capture.modules import module_path
+from memtrim.capture.modules import CALL_IMPL, module_path
 from memtrim.trace.model import Site
 
 USER, INTERNAL, ENGINE, OPTIMIZER, MODULE_CALL = 0, 1, 2, 3, 4
@@ -37,9 +37,6 @@ _ENGINE_CODES: frozenset[CodeType] = frozenset(
 # Function.apply: ops below it run a custom autograd.Function's forward, where grad mode is off.
 _FUNCTION_APPLY: CodeType = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
-# nn.Module._call_impl: the frame of a module call, whose ``self`` is the module.
-_CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
-
 # Keyed by id(code): a code object's hash is not cached and covers its constants (nested code
 # included), which made hashing the largest per-op cost. _held keeps every classified code alive so
 # that its id cannot be reused by another.
@@ -51,7 +48,7 @@ _sites: dict[tuple[int, int], Site] = {}
 def _classify(code: CodeType) -> int:
     if code in _ENGINE_CODES:
         return ENGINE
-    if code is _CALL_IMPL:
+    if code is CALL_IMPL:  # a module call, whose ``self`` is the module
         return MODULE_CALL
     name = code.co_filename
     if name.startswith(_OPTIM_DIR):
