@@ -1,7 +1,7 @@
 """Which source line in the user's code is running: a stack walk that skips torch and memtrim.
 
 Every code object is classified once and cached, so the per-op cost is one dict lookup per frame
-between the op and the first user frame.
+between the op and the first user frame or module call, whichever is further.
 """
 
 from __future__ import annotations
