@@ -247,8 +247,7 @@ class Recorder(TorchDispatchMode):
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
         # Function's forward grad mode is off, but the Function's node lands on what it returns.
         stamp = grad_enabled or phase == "forward"
-        hooked = stamp and _user_saved_hooks(False) is not None
-        if hooked:
+        if stamp and _user_saved_hooks(False) is not None:
             self._under_user_hooks.add(seq)
         watches, rows = self._watches, self._rows
         for t in (out,) if isinstance(out, _Tensor) else _tensors(out):
@@ -263,8 +262,6 @@ class Recorder(TorchDispatchMode):
                     watch = watches[key] = _StorageWatch(storage, self._on_free)
                     watch.index, watch.key = len(rows), key
                     rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
-                    if hooked:
-                        self._recorded.made_under_user_hooks.append(watch.index)
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending = (weakref.ref(t), seq, info.saves)
                 stamp = False
@@ -402,10 +399,11 @@ class Recorder(TorchDispatchMode):
         self._open = False
         # What autograd saved under the user's own saved-tensor hooks could not be read from the
         # nodes: fall back to lifetime (autograd frees what it saved as backward consumes it).
-        recorded = self._recorded
-        for index in recorded.made_under_user_hooks:
-            if recorded.frees.get(index, (0, None))[1] == "backward":
-                recorded.saved.add(index)
+        if under_hooks := self._under_user_hooks:
+            recorded = self._recorded
+            for index, row in enumerate(recorded.rows):
+                if row[0] in under_hooks and recorded.frees.get(index, (0, None))[1] == "backward":
+                    recorded.saved.add(index)
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
         self.trace.finished = True

@@ -156,14 +156,13 @@ class AllocationLog:
     A row's op number is -1 for a storage that existed before the region.
     """
 
-    __slots__ = ("frees", "made_under_user_hooks", "rows", "saved")
+    __slots__ = ("frees", "rows", "saved")
 
     def __init__(self) -> None:
         # (op seq, bytes, dtype, shape, device, alloc tick, call site)
         self.rows: list[tuple[Any, ...]] = []
         self.frees: dict[int, tuple[int, str]] = {}  # row -> (free tick, phase at the free)
         self.saved: set[int] = set()
-        self.made_under_user_hooks: list[int] = []
 
     def materialize(self, ops: OpLog) -> list[Allocation]:
         op_rows = ops.rows
