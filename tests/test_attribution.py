@@ -76,8 +76,8 @@ def test_custom_backward_temporaries_are_attributed_to_their_own_lines() -> None
         alloc = lines[line_of(ScaledDifference.backward, text)]
         assert alloc.bytes == 256 * 1024 * 4
         assert alloc.phase == "backward"
-    assert lines[line_of(ScaledDifference.backward, "a = g - d")].category == "temporary"
-    assert lines[line_of(ScaledDifference.backward, "c = b * 3.0")].category == "gradient"
+    assert trace.category(lines[line_of(ScaledDifference.backward, "a = g - d")]) == "temporary"
+    assert trace.category(lines[line_of(ScaledDifference.backward, "c = b * 3.0")]) == "gradient"
     assert trace.peak_bytes == truth.peak
 
 
@@ -101,23 +101,23 @@ def test_categories_saved_gradient_output_temporary() -> None:
         out = t.sum()
         out.backward()
         kept = y.detach() + 1  # alive at the end
-    by_line = {a.line: a.category for a in trace.allocations if not a.preexisting and a.bytes == 4000}
+    by_line = {a.line: trace.category(a) for a in trace.allocations if not a.preexisting and a.bytes == 4000}
     categories = sorted(by_line.values())
     assert "output" in categories and "gradient" in categories
     # autograd saved y, so it is an activation ("saved") even though the user also still holds it
-    assert [a.category for a in trace.allocations if a.op == "aten.exp.default"] == ["saved"]
-    assert [a.category for a in trace.allocations if a.op == "aten.add.Tensor" and a.phase == "forward"] == [
-        "output"
-    ]
+    assert [trace.category(a) for a in trace.allocations if a.op == "aten.exp.default"] == ["saved"]
+    assert [
+        trace.category(a) for a in trace.allocations if a.op == "aten.add.Tensor" and a.phase == "forward"
+    ] == ["output"]
     del kept, y, t
     x.grad = None  # otherwise backward accumulates in place into the existing .grad
     with memtrim.track() as trace:
         loss = (x.exp() * 2).sum()
         loss.backward()
     exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
-    assert exp_alloc.saved and exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
-    assert any(a.category == "temporary" and a.phase == "backward" for a in trace.allocations)
-    assert any(a.category == "gradient" for a in trace.allocations)
+    assert exp_alloc.saved and trace.category(exp_alloc) == "saved" and exp_alloc.free_phase == "backward"
+    assert any(trace.category(a) == "temporary" and a.phase == "backward" for a in trace.allocations)
+    assert any(trace.category(a) == "gradient" for a in trace.allocations)
 
 
 class DrawsNoise(torch.autograd.Function):
@@ -226,7 +226,7 @@ def test_saved_is_read_from_the_autograd_nodes() -> None:
         loss = (x.exp() * 2).sum()
         loss.backward()
     exp_alloc = next(a for a in trace.allocations if a.op == "aten.exp.default")
-    assert exp_alloc.category == "saved" and exp_alloc.free_phase == "backward"
+    assert trace.category(exp_alloc) == "saved" and exp_alloc.free_phase == "backward"
     mul_alloc = next(a for a in trace.allocations if a.op == "aten.mul.Tensor" and a.phase == "forward")
     assert not mul_alloc.saved  # (exp * 2).sum() saves nothing of the product
     made_in_backward = [a for a in trace.allocations if a.phase == "backward"]

@@ -7,7 +7,7 @@ from groundtruth import profiler_memory
 from programs import ScaledDifference
 
 import memtrim
-from memtrim.analysis.diagnoses import DIAGNOSES, diagnose
+from memtrim.analysis.diagnoses import DIAGNOSES
 from memtrim.cases.heads import head_results, head_results_broadcast
 
 
@@ -32,7 +32,7 @@ def test_in_place_advice_predicts_the_peak_of_the_in_place_rewrite() -> None:
     d = torch.randn(256, 1024)
     with memtrim.track() as before:
         ScaledDifference.apply(x, d).sum().backward()
-    (finding,) = [f for f in diagnose(before) if f.rule == "out-of-place-backward"]
+    (finding,) = [f for f in before.diagnoses() if f.rule == "out-of-place-backward"]
     assert finding.site is not None and finding.site.function == "backward"
     assert len(finding.allocations) == 2
     original_grad, x.grad = x.grad, None
@@ -47,7 +47,7 @@ def test_broadcast_advice_points_at_the_multiply_and_bounds_the_einsum_peak() ->
     W_O = torch.randn(12, 64, 768, requires_grad=True)
     with memtrim.track() as before:
         head_results_broadcast(z, W_O).sum().backward()
-    (finding,) = [f for f in diagnose(before) if f.rule == "broadcast-then-reduce"]
+    (finding,) = [f for f in before.diagnoses() if f.rule == "broadcast-then-reduce"]
     assert finding.site == before.largest_temporaries(1)[0].site
     assert {a.bytes for a in finding.allocations} == {64 * 12 * 64 * 768 * 4}
     assert len(finding.allocations) == 3  # forward product and both backward products
@@ -64,4 +64,4 @@ def test_no_advice_for_a_lean_program() -> None:
     W_O = torch.randn(12, 64, 768, requires_grad=True)
     with memtrim.track() as trace:
         head_results(z, W_O).sum().backward()
-    assert diagnose(trace) == []
+    assert trace.diagnoses() == []

@@ -76,7 +76,7 @@ def test_free_of_a_tensor_from_before_the_region_lowers_the_curve() -> None:
     assert truth.deltas[0] == 256 * 256 * 4  # the old tensor, before the region
     assert memtrim_deltas(trace) == truth.deltas[1:]
     assert trace.peak_bytes == 256 * 256 * 4  # y and z never coexist with the old tensor
-    assert memtrim.analysis.live_curve(trace, "cpu")[-1][1] == -256 * 256 * 4  # below the start
+    assert trace.analysis.curve("cpu").live[-1] == -256 * 256 * 4  # below the start
 
 
 def test_training_step_with_backward_and_optimizer() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from memtrim.report.units import format_bytes
+from memtrim.analysis import Footprint as Memory
+from memtrim.units import format_bytes
 from memtrim.verify import CancellationProbe, VerifyReport, verify
-from memtrim.verify.runner import Memory
 
 FAST: dict[str, Any] = {"memory": False, "progress": False, "seeds": (0,), "dtypes": ("fp32", "bf16")}
 

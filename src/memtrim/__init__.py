@@ -1,21 +1,33 @@
-"""memtrim: find what sets a PyTorch program's peak memory, cut it, and prove the rewrite safe."""
+"""memtrim: find what sets a PyTorch program's peak memory, cut it, and prove the rewrite safe.
+
+``memtrim.track()`` records a region and gives a :class:`Trace`; ``memtrim.load()`` reads a saved one.
+The rewrite checks live in subpackages, imported by name: ``from memtrim.verify import verify`` and
+``from memtrim.bench import compare``.
+"""
 
 from __future__ import annotations
 
-from memtrim.capture import track
-from memtrim.trace import Allocation, Site, Trace, TraceFormatError, load
-from memtrim.verify import CancellationProbe, VerifyReport, verify
+from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
+from memtrim.api import Trace, load, track
+from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Allocation",
-    "CancellationProbe",
+    "Analysis",
+    "Category",
+    "Diagnosis",
+    "LineGroup",
+    "OpCall",
+    "Peak",
+    "Phase",
     "Site",
     "Trace",
     "TraceFormatError",
-    "VerifyReport",
+    "TraceLog",
+    "__version__",
+    "analyze",
     "load",
     "track",
-    "verify",
 ]

@@ -9,8 +9,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from memtrim.capture.api import track
-from memtrim.trace.serialize import TraceFormatError, load
+from memtrim.api import load, track
+from memtrim.trace.serialize import TraceFormatError
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def _run(args: argparse.Namespace) -> int:
         except BaseException as exc:  # the trace up to the failure is what the user came for
             print(f"memtrim run: {args.script} raised {type(exc).__name__}: {exc}", file=sys.stderr)
             status = 1
-            trace.error = f"{type(exc).__name__}: {exc}"
+            trace.log.error = f"{type(exc).__name__}: {exc}"
     trace.save(args.output)
     print(json.dumps(trace.to_dict()["peak"]) if args.json else trace.report(top=args.top))
     print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)

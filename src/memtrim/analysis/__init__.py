@@ -1,25 +1,30 @@
-"""The analysis stage: questions answered from a trace (peak, live set, categories, temporaries)."""
+"""The analysis stage: one :class:`Analysis` per trace log (peaks, live sets, categories, temporaries,
+what-if, diagnoses), computed once."""
 
-from memtrim.analysis.categories import categorize
-from memtrim.analysis.timeline import (
-    LineGroup,
-    Peak,
-    alive_at,
-    find_peak,
-    largest_temporaries,
-    live_at_peak,
-    live_curve,
-    peaks_by_device,
-)
+from memtrim.analysis.analysis import Analysis, LineGroup, analyze, group_by_line
+from memtrim.analysis.categories import CATEGORY_RULES, Category, categorize
+from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, diagnose
+from memtrim.analysis.footprint import Footprint, peak_change
+from memtrim.analysis.timeline import LiveCurve, Peak, sweep
+from memtrim.analysis.whatif import Added, Edits, replay
 
 __all__ = [
+    "CATEGORY_RULES",
+    "DIAGNOSES",
+    "Added",
+    "Analysis",
+    "Category",
+    "Diagnosis",
+    "Edits",
+    "Footprint",
     "LineGroup",
+    "LiveCurve",
     "Peak",
-    "alive_at",
+    "analyze",
     "categorize",
-    "find_peak",
-    "largest_temporaries",
-    "live_at_peak",
-    "live_curve",
-    "peaks_by_device",
+    "diagnose",
+    "group_by_line",
+    "peak_change",
+    "replay",
+    "sweep",
 ]

@@ -11,27 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memtrim.registry import Registry
+
 ChargeRule = Callable[[int], int]
 
-CHARGE_RULES: dict[str, ChargeRule] = {}
+CHARGE_RULES: Registry[str, ChargeRule] = Registry(
+    "allocator charge rule", "memtrim.analysis.allocator.CHARGE_RULES.register(device_type)"
+)
+"""Device type (``"cuda"``) -> bytes charged for a request. Types without a rule are charged exactly."""
 
 
-def register_charge(device_type: str) -> Callable[[ChargeRule], ChargeRule]:
-    def add(rule: ChargeRule) -> ChargeRule:
-        CHARGE_RULES[device_type] = rule
-        return rule
-
-    return add
-
-
-@register_charge("cuda")
+@CHARGE_RULES.register("cuda")
 def _cuda_block(nbytes: int) -> int:
     if nbytes <= 0:
         return 0
     return -(-nbytes // 512) * 512
 
 
+def charge_rule(device: str) -> ChargeRule | None:
+    """The rule for ``device`` (``"cuda:0"``, ``"cuda"``), or None when it is charged exactly."""
+    return CHARGE_RULES.get(device.split(":", 1)[0])
+
+
 def charged_bytes(nbytes: int, device: str) -> int:
     """Bytes the allocator of ``device`` (e.g. ``"cuda:0"``) charges for ``nbytes``."""
-    rule = CHARGE_RULES.get(device.split(":", 1)[0])
+    rule = charge_rule(device)
     return nbytes if rule is None else rule(nbytes)

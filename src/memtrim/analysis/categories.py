@@ -1,4 +1,5 @@
-"""Why an allocation was alive: a registry of small rules tried in order, first match wins.
+"""Why an allocation was alive, from its lifetime: a registry of small rules tried in order, first
+match wins.
 
 ``temporary`` means made and freed in the same phase — it spans ops. (torch.profiler's TEMPORARY means
 "freed inside one op"; the seed problems live in the former kind, which the profiler does not name.)
@@ -7,48 +8,69 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 
-from memtrim.trace.model import Allocation
-
-CategoryRule = Callable[[Allocation], "str | None"]
-
-CATEGORY_RULES: list[CategoryRule] = []
+from memtrim.registry import Registry
+from memtrim.trace.model import Allocation, Phase
 
 
-def category_rule(rule: CategoryRule) -> CategoryRule:
-    CATEGORY_RULES.append(rule)
-    return rule
+class Category(str, Enum):
+    """What an allocation's lifetime says about it."""
+
+    PREEXISTING = "preexisting"
+    """Existed before the region (first seen as an op's input)."""
+    SAVED = "saved"
+    """Autograd saved it for backward."""
+    GRADIENT = "gradient"
+    """Made in backward and alive after it."""
+    OUTPUT = "output"
+    """Alive at the end of the region."""
+    TEMPORARY = "temporary"
+    """Made and freed in the same phase."""
+    KEPT = "kept"
+    """Outlived its phase without autograd saving it."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
-@category_rule
-def _preexisting(a: Allocation) -> str | None:
-    return "preexisting" if a.preexisting else None
+CategoryRule = Callable[[Allocation], "Category | None"]
+
+CATEGORY_RULES: Registry[str, CategoryRule] = Registry(
+    "category rule", "memtrim.analysis.categories.CATEGORY_RULES.register(name)"
+)
+"""Tried in registration order; the first rule that answers decides. Unanswered: ``kept``."""
 
 
-@category_rule
-def _saved(a: Allocation) -> str | None:
-    return "saved" if a.saved else None
+@CATEGORY_RULES.register("preexisting")
+def _preexisting(a: Allocation) -> Category | None:
+    return Category.PREEXISTING if a.preexisting else None
 
 
-@category_rule
-def _gradient(a: Allocation) -> str | None:
-    survives_backward = a.free_tick is None or a.free_phase != "backward"
-    return "gradient" if a.phase == "backward" and survives_backward else None
+@CATEGORY_RULES.register("saved")
+def _saved(a: Allocation) -> Category | None:
+    return Category.SAVED if a.saved else None
 
 
-@category_rule
-def _output(a: Allocation) -> str | None:
-    return "output" if a.free_tick is None else None
+@CATEGORY_RULES.register("gradient")
+def _gradient(a: Allocation) -> Category | None:
+    survives_backward = a.free_tick is None or a.free_phase is not Phase.BACKWARD
+    return Category.GRADIENT if a.phase is Phase.BACKWARD and survives_backward else None
 
 
-@category_rule
-def _temporary(a: Allocation) -> str | None:
-    return "temporary" if a.free_phase == a.phase else None
+@CATEGORY_RULES.register("output")
+def _output(a: Allocation) -> Category | None:
+    return Category.OUTPUT if a.free_tick is None else None
 
 
-def categorize(a: Allocation) -> str:
-    for rule in CATEGORY_RULES:
+@CATEGORY_RULES.register("temporary")
+def _temporary(a: Allocation) -> Category | None:
+    return Category.TEMPORARY if a.free_phase is a.phase else None
+
+
+def categorize(a: Allocation) -> Category:
+    for rule in CATEGORY_RULES.values():
         found = rule(a)
         if found is not None:
             return found
-    return "kept"
+    return Category.KEPT

@@ -1,16 +1,82 @@
-"""Live bytes over time, the peak, what was alive at the peak, and the largest temporaries."""
+"""Live bytes over time: the one sweep over a device's allocation events, and the peaks read from it.
+
+Every other question about "how much was alive when" (the peak, per-phase peaks, what-if replays)
+reads the :class:`LiveCurve` this module builds once per device.
+"""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from memtrim.analysis.allocator import charged_bytes
-from memtrim.trace.model import Allocation, OpCall, OpRow, Site, Trace
+from memtrim.analysis.allocator import charge_rule
+from memtrim.trace.model import Allocation, OpCall, OpLog, OpRow, Phase, Site
 
 
-@dataclass
+@dataclass(frozen=True)
+class LiveCurve:
+    """Allocation events on one device, in tick order, and the live bytes after each.
+
+    ``deltas[i]`` is what event ``i`` adds (an allocation, charged as the device's allocator does) or
+    removes (a free) at ``ticks[i]``; ``ids[i]`` is the allocation's id; ``phases[i]`` the phase the
+    event happened in. Storages from before the region only appear when they are freed.
+    """
+
+    device: str
+    ticks: list[int] = field(default_factory=list)
+    deltas: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    charged: dict[int, int] = field(default_factory=dict)
+    """Allocation id -> bytes charged for it."""
+
+    def __len__(self) -> int:
+        return len(self.ticks)
+
+    def live_after(self, tick: int) -> int:
+        """Live bytes just after ``tick`` (0 before the first event)."""
+        i = bisect.bisect_right(self.ticks, tick) - 1
+        return self.live[i] if i >= 0 else 0
+
+    def peak_index(self) -> int | None:
+        """The first event at which the curve is highest, or None when it never rises above 0."""
+        best, index = 0, None
+        for i, value in enumerate(self.live):
+            if value > best:
+                best, index = value, i
+        return index
+
+
+def sweep(allocations: Iterable[Allocation], device: str, charge_as: str | None = None) -> LiveCurve:
+    """The live curve of ``device``. Bytes are what its allocator charges, or ``charge_as``'s (e.g.
+    ``"cuda"`` to predict a GPU peak from a trace recorded on the CPU or with fake tensors)."""
+    rule = charge_rule(charge_as or device)
+    events: list[tuple[int, int, int, Phase]] = []
+    charged: dict[int, int] = {}
+    for a in allocations:
+        if a.device != device:
+            continue
+        charge = charged[a.id] = a.bytes if rule is None else rule(a.bytes)
+        if not a.preexisting:
+            events.append((a.alloc_tick, charge, a.id, a.phase))
+        if a.free_tick is not None:
+            events.append((a.free_tick, -charge, a.id, a.free_phase or a.phase))
+    events.sort(key=lambda e: e[0])
+    curve = LiveCurve(device, charged=charged)
+    live = 0
+    for tick, delta, ident, phase in events:
+        live += delta
+        curve.ticks.append(tick)
+        curve.deltas.append(delta)
+        curve.ids.append(ident)
+        curve.phases.append(phase)
+        curve.live.append(live)
+    return curve
+
+
+@dataclass(frozen=True)
 class Peak:
     """The moment of highest live bytes (above the region's start) on one device."""
 
@@ -18,149 +84,57 @@ class Peak:
     device: str | None = None
     tick: int | None = None
     allocation: Allocation | None = None
+    """The allocation whose arrival reached the peak."""
     op: OpCall | None = None
+    """The op running at the peak."""
 
     @property
-    def phase(self) -> str | None:
+    def phase(self) -> Phase | None:
         return self.allocation.phase if self.allocation else None
 
     @property
     def site(self) -> Site | None:
         return self.allocation.site if self.allocation else None
 
-    def describe(self) -> dict[str, Any]:
-        site = self.site
-        return {
-            "bytes": self.bytes,
-            "device": self.device,
-            "tick": self.tick,
-            "phase": self.phase,
-            "op": self.allocation.op if self.allocation else None,
-            "node": self.allocation.node if self.allocation else None,
-            "file": site.file if site else None,
-            "line": site.line if site else None,
-            "function": site.function if site else None,
-        }
+
+def peak_of(curve: LiveCurve, allocations: Sequence[Allocation], ops: OpLog) -> Peak:
+    index = curve.peak_index()
+    if index is None:
+        return Peak(bytes=0, device=curve.device)
+    tick = curve.ticks[index]
+    return Peak(curve.live[index], curve.device, tick, allocations[curve.ids[index]], op_at(ops, tick))
 
 
-@dataclass
-class LineGroup:
-    """Bytes alive at the peak that one source line made."""
-
-    site: Site | None
-    bytes: int = 0
-    count: int = 0
-    categories: dict[str, int] = field(default_factory=dict)
-    ops: dict[str, int] = field(default_factory=dict)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "file": self.site.file if self.site else None,
-            "line": self.site.line if self.site else None,
-            "function": self.site.function if self.site else None,
-            "bytes": self.bytes,
-            "count": self.count,
-            "categories": self.categories,
-            "ops": self.ops,
-        }
-
-
-def live_curve(trace: Trace, device: str, charge_as: str | None = None) -> list[tuple[int, int, Allocation]]:
-    """(tick, live bytes after the event, allocation) for every event on ``device``, in order.
-
-    Bytes are what ``device``'s allocator charges, or ``charge_as``'s (e.g. ``"cuda"`` to predict a
-    GPU peak from a trace recorded on the CPU or with fake tensors).
-    """
-    events: list[tuple[int, int, Allocation]] = []
-    rule_device = charge_as or device
-    for a in trace.allocations:
-        if a.device != device:
-            continue
-        charge = charged_bytes(a.bytes, rule_device)
-        if not a.preexisting:
-            events.append((a.alloc_tick, charge, a))
-        if a.free_tick is not None:
-            events.append((a.free_tick, -charge, a))
-    events.sort(key=lambda e: e[0])
-    curve = []
-    live = 0
-    for tick, delta, a in events:
-        live += delta
-        curve.append((tick, live, a))
-    return curve
-
-
-def devices(trace: Trace) -> list[str]:
-    return sorted({a.device for a in trace.allocations})
+def headline(peaks: Iterable[Peak]) -> Peak:
+    """The peak of the device whose peak is largest (an accelerator wins a tie with the CPU)."""
+    return max(peaks, key=lambda p: (p.bytes, p.device != "cpu"), default=Peak(bytes=0))
 
 
 def _tick_of(row: OpRow) -> int:
-    return row[0]
+    return row.tick
 
 
-def _op_at(trace: Trace, tick: int) -> OpCall | None:
-    index = bisect.bisect_right(trace.ops.rows, tick, key=_tick_of) - 1
-    return trace.ops[index] if index >= 0 else None
+def op_at(ops: OpLog, tick: int) -> OpCall | None:
+    """The op that was running at ``tick`` (the last one started at or before it)."""
+    index = bisect.bisect_right(ops.rows, tick, key=_tick_of) - 1
+    return ops[index] if index >= 0 else None
 
 
-def _peak_on(trace: Trace, device: str, charge_as: str | None = None) -> Peak:
-    best = Peak(bytes=0, device=device)
-    for tick, live, a in live_curve(trace, device, charge_as):
-        if live > best.bytes:
-            best = Peak(bytes=live, device=device, tick=tick, allocation=a)
-    if best.tick is not None:
-        best.op = _op_at(trace, best.tick)
+def peaks_by_phase(curve: LiveCurve) -> dict[Phase, int]:
+    """The highest live bytes while each phase ran, on one device: the most after any event of the
+    phase, or carried into it from before its first event."""
+    best = dict.fromkeys(Phase, 0)
+    previous: Phase | None = None
+    carried = 0
+    for phase, live in zip(curve.phases, curve.live, strict=True):
+        if phase is not previous:
+            best[phase] = max(best[phase], carried)
+            previous = phase
+        best[phase] = max(best[phase], live)
+        carried = live
     return best
 
 
-def peaks_by_device(trace: Trace, charge_as: str | None = None) -> dict[str, Peak]:
-    return {device: _peak_on(trace, device, charge_as) for device in devices(trace)}
-
-
-def find_peak(trace: Trace, charge_as: str | None = None) -> Peak:
-    """The peak on the device whose peak is largest (an accelerator wins a tie with the CPU).
-
-    ``charge_as="cuda"`` counts every block as CUDA's caching allocator would (512-byte rounding).
-    """
-    peaks = peaks_by_device(trace, charge_as)
-    if not peaks:
-        return Peak(bytes=0)
-    return max(peaks.values(), key=lambda p: (p.bytes, p.device != "cpu"))
-
-
-def alive_at(trace: Trace, tick: int, device: str | None = None) -> list[Allocation]:
+def alive_at(allocations: Iterable[Allocation], tick: int, device: str | None = None) -> list[Allocation]:
     """Allocations made inside the region and alive just after ``tick``."""
-    return [
-        a
-        for a in trace.allocations
-        if not a.preexisting
-        and (device is None or a.device == device)
-        and a.alloc_tick <= tick
-        and (a.free_tick is None or a.free_tick > tick)
-    ]
-
-
-def group_by_line(allocations: list[Allocation]) -> list[LineGroup]:
-    groups: dict[Site | None, LineGroup] = {}
-    for a in allocations:
-        group = groups.setdefault(a.site, LineGroup(site=a.site))
-        group.bytes += a.bytes
-        group.count += 1
-        group.categories[a.category] = group.categories.get(a.category, 0) + a.bytes
-        group.ops[a.op] = group.ops.get(a.op, 0) + a.bytes
-    return sorted(groups.values(), key=lambda g: g.bytes, reverse=True)
-
-
-def live_at_peak(trace: Trace) -> list[LineGroup]:
-    """What was alive at the peak, grouped by the source line that made it, largest first."""
-    peak = find_peak(trace)
-    if peak.tick is None:
-        return []
-    return group_by_line(alive_at(trace, peak.tick, peak.device))
-
-
-def largest_temporaries(trace: Trace, n: int = 10) -> list[Allocation]:
-    """The n largest allocations made and freed in the same phase, largest first."""
-    temps = [a for a in trace.allocations if a.category == "temporary"]
-    temps.sort(key=lambda a: (-a.bytes, a.alloc_tick))
-    return temps[:n]
+    return [a for a in allocations if (device is None or a.device == device) and a.alive_at(tick)]

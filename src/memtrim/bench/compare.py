@@ -1,8 +1,9 @@
 """Measure a rewrite against the original in one run: peak bytes, largest temporary, median time.
 
-Timings are A/B interleaved (before, after, before, after, ...) so that drift in the machine's speed
-hits both sides alike, and summarised by medians. Memory comes from one extra tracked run of each,
-outside the timed runs, so tracking overhead never enters a timing.
+Each side runs once untracked first (warm-up: lazily built buffers, caches and one-time costs land
+there, not in either side's figures), then once tracked for memory, then the timed runs, A/B
+interleaved (before, after, before, after, ...) so that drift in the machine's speed hits both sides
+alike, summarised by medians. Tracking overhead never enters a timing.
 """
 
 from __future__ import annotations
@@ -15,25 +16,31 @@ from typing import Any
 
 import torch
 
-from memtrim.capture.api import track
-from memtrim.report.units import format_bytes
-from memtrim.trace.model import Allocation
+from memtrim.analysis.analysis import analyze
+from memtrim.analysis.footprint import Footprint
+from memtrim.capture.api import record
+from memtrim.units import format_bytes, format_delta, format_ratio
 
 
 @dataclass
 class Side:
+    """One callable's figures: its memory footprint and its timed runs."""
+
     name: str
-    peak_bytes: int
-    largest_temporary: Allocation | None
+    memory: Footprint
     seconds: list[float] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.memory.peak_bytes
+
+    @property
+    def largest_temporary_bytes(self) -> int:
+        return self.memory.largest_temporary_bytes
 
     @property
     def median_seconds(self) -> float:
         return statistics.median(self.seconds) if self.seconds else float("nan")
-
-    @property
-    def largest_temporary_bytes(self) -> int:
-        return self.largest_temporary.bytes if self.largest_temporary else 0
 
 
 @dataclass
@@ -48,31 +55,55 @@ class Comparison:
 
     @property
     def peak_saved(self) -> int:
+        """Bytes the rewrite takes off the peak (negative when the peak grows)."""
         return self.before.peak_bytes - self.after.peak_bytes
 
     def rows(self) -> list[list[str]]:
         b, a = self.before, self.after
+        speed = self.speedup
+        if speed != speed:  # NaN: no timed runs
+            timing = "-"
+        elif speed >= 1:
+            timing = f"{speed:.2f}x faster"
+        else:
+            timing = f"{1 / speed:.2f}x slower"
         return [
             ["", b.name, a.name, "change"],
             [
                 "peak above start",
                 format_bytes(b.peak_bytes),
                 format_bytes(a.peak_bytes),
-                f"-{format_bytes(self.peak_saved)}",
+                format_delta(b.peak_bytes, a.peak_bytes),
             ],
             [
                 "largest temporary",
                 format_bytes(b.largest_temporary_bytes),
                 format_bytes(a.largest_temporary_bytes),
-                f"{b.largest_temporary_bytes / max(a.largest_temporary_bytes, 1):.1f}x smaller",
+                format_ratio(b.largest_temporary_bytes, a.largest_temporary_bytes),
             ],
             [
                 f"median time ({len(b.seconds)} runs)",
                 f"{b.median_seconds * 1e3:.2f} ms",
                 f"{a.median_seconds * 1e3:.2f} ms",
-                f"{self.speedup:.2f}x faster" if self.speedup >= 1 else f"{1 / self.speedup:.2f}x slower",
+                timing,
             ],
         ]
+
+    def to_dict(self) -> dict[str, Any]:
+        def side(s: Side) -> dict[str, Any]:
+            return {
+                "name": s.name,
+                **s.memory.to_dict(),
+                "median_seconds": s.median_seconds,
+                "seconds": s.seconds,
+            }
+
+        return {
+            "before": side(self.before),
+            "after": side(self.after),
+            "peak_saved": self.peak_saved,
+            "speedup": self.speedup,
+        }
 
     def to_markdown(self) -> str:
         rows = self.rows()
@@ -110,19 +141,21 @@ def compare(
     """Run ``before`` and ``after`` (each the whole workload, no arguments) side by side.
 
     Each callable should create or reset whatever state it needs (e.g. ``zero_grad``) so that runs are
-    alike. Results are discarded.
+    alike. Results are discarded. ``warmup`` untracked runs of each come first (at least one), so that
+    neither side's memory figure pays for one-time work the other then reuses.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    sides = []
-    for name, fn in zip(names, (before, after), strict=True):
-        with track() as trace:
-            fn()
-        temps = trace.largest_temporaries(1)
-        sides.append(Side(name, trace.peak_bytes, temps[0] if temps else None))
-    for _ in range(warmup):
+    if warmup < 0:
+        raise ValueError(f"warmup must be 0 or more, got {warmup}")
+    for _ in range(max(warmup, 1)):
         before()
         after()
+    sides = []
+    for name, fn in zip(names, (before, after), strict=True):
+        with record() as log:
+            fn()
+        sides.append(Side(name, Footprint.of(analyze(log))))
     for _ in range(repeats):
         sides[0].seconds.append(_timed(before))
         sides[1].seconds.append(_timed(after))

@@ -1,4 +1,8 @@
-"""``memtrim.track()``: record a region of a PyTorch program."""
+"""``record()``: record a region of a PyTorch program into a :class:`~memtrim.trace.TraceLog`.
+
+Users call :func:`memtrim.track`, which wraps this and adds the analysis on top; stages below the top
+(verify, bench) call ``record`` and :func:`memtrim.analysis.analyze` directly.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from memtrim.capture.recorder import Recorder
-from memtrim.trace.model import Trace
+from memtrim.trace.model import TraceLog
 
 # Trackers open right now (outermost first), so that an inner one resetting CUDA's peak statistic
 # first hands the current peak to the outer ones.
@@ -52,10 +56,10 @@ class _CudaPeak:
 
 
 @contextlib.contextmanager
-def track(*, fake: bool = False) -> Iterator[Trace]:
+def record(*, fake: bool = False) -> Iterator[TraceLog]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
-    Yields a :class:`~memtrim.trace.Trace` that is complete when the block exits — also when it exits
+    Yields a :class:`~memtrim.trace.TraceLog` that is complete when the block exits — also when it exits
     by an exception (an out-of-memory error, say): the trace then holds everything up to the failure,
     ``trace.error`` names it, and what was alive at that point is the live set at the end.
 
@@ -69,7 +73,7 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
     user's own saved-tensor hooks (checkpointing, offloading) the nodes are not read, and "saved"
     means made in forward and freed in backward.
     """
-    trace = Trace(fake=fake)
+    trace = TraceLog(fake=fake)
     recorder = Recorder(trace)
     cuda = _CudaPeak()
     with contextlib.ExitStack() as stack:

@@ -28,7 +28,7 @@ from memtrim.capture.frames import (
     inside_function_forward,
     user_site,
 )
-from memtrim.trace.model import AllocationLog, Site, Trace
+from memtrim.trace.model import AllocationLog, AllocRow, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node
@@ -37,6 +37,9 @@ _current_graph_task_id = torch._C._current_graph_task_id
 _user_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CustomFunctionNode = torch.autograd.function.BackwardCFunction
 _ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
+_FORWARD, _BACKWARD, _OTHER = Phase.FORWARD, Phase.BACKWARD, Phase.OTHER
+# Rows are named tuples built by tuple.__new__ (a C call; a NamedTuple's own __new__ is Python code).
+_row = tuple.__new__
 
 
 def _metadata(node: Any) -> dict[str, Any]:
@@ -148,7 +151,7 @@ class Recorder(TorchDispatchMode):
         # and only matters when the mode is used inside a torch.compile'd function.
         return False
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: TraceLog) -> None:
         super().__init__()
         self.trace = trace
         self._clock = itertools.count()
@@ -159,7 +162,7 @@ class Recorder(TorchDispatchMode):
         # an output of the last op, whose autograd node (made after dispatch returns) is still to be
         # stamped, and the op's number
         self._pending: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
-        self._last_phase = "other"
+        self._last_phase = _OTHER
         self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
         # forward ops run under the user's saved-tensor hooks, whose nodes are not read
         self._under_user_hooks: set[int] = set()
@@ -211,7 +214,7 @@ class Recorder(TorchDispatchMode):
         grad_enabled = _is_grad_enabled()
         site = call_site
         if node is not None:
-            phase = "backward"
+            phase = _BACKWARD
             node_name = node.name()
             # An op the engine ran for a built-in node has no user frame of its own: point at the
             # forward line that made the node. Code inside a custom backward keeps its own line.
@@ -220,18 +223,18 @@ class Recorder(TorchDispatchMode):
         else:
             node_name = None
             if between == ENGINE:
-                phase = "backward"
+                phase = _BACKWARD
             elif between == OPTIMIZER:
-                phase = "other"
+                phase = _OTHER
             elif grad_enabled or inside_function_forward(caller):
-                phase = "forward"  # grad mode is off inside a custom Function's forward
+                phase = _FORWARD  # grad mode is off inside a custom Function's forward
             else:
-                phase = "other"
+                phase = _OTHER
         self._last_phase = phase
 
         ops = self._ops
         seq = len(ops)
-        ops.append((next(self._clock), info.name, phase, site, node_name, module))
+        ops.append(_row(OpRow, (next(self._clock), info.name, phase, site, node_name, module)))
         written = self._written_sizes(info, args, kwargs) if info.writes else None
         try:
             out = info.call(*args, **kwargs)
@@ -246,7 +249,7 @@ class Recorder(TorchDispatchMode):
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
         # Function's forward grad mode is off, but the Function's node lands on what it returns.
-        stamp = grad_enabled or phase == "forward"
+        stamp = grad_enabled or phase is _FORWARD
         if stamp and _user_saved_hooks(False) is not None:
             self._under_user_hooks.add(seq)
         watches, rows = self._watches, self._rows
@@ -261,7 +264,11 @@ class Recorder(TorchDispatchMode):
                     # a new storage (_new_allocation and _start_watch, inlined)
                     watch = watches[key] = _StorageWatch(storage, self._on_free)
                     watch.index, watch.key = len(rows), key
-                    rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
+                    rows.append(
+                        _row(
+                            AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)
+                        )
+                    )
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending = (weakref.ref(t), seq, info.saves)
                 stamp = False
@@ -286,12 +293,12 @@ class Recorder(TorchDispatchMode):
 
     def _new_allocation(self, t: torch.Tensor, nbytes: int, seq: int, call_site: Site | None) -> int:
         rows = self._rows
-        rows.append((seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site))
+        rows.append(_row(AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)))
         return len(rows) - 1
 
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
         rows = self._rows
-        rows.append((-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None))
+        rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
         self._start_watch(storage, len(rows) - 1)
 
     def _start_watch(self, storage: Any, index: int) -> None:
@@ -303,7 +310,7 @@ class Recorder(TorchDispatchMode):
     def _on_free(self, watch: _StorageWatch) -> None:
         if not self._open:
             return
-        self._recorded.frees[watch.index] = (next(self._clock), self._last_phase)
+        self._recorded.frees[watch.index] = _row(FreeRow, (next(self._clock), self._last_phase))
         if self._watches.get(watch.key) is watch:
             del self._watches[watch.key]
 
@@ -332,7 +339,7 @@ class Recorder(TorchDispatchMode):
             watch = self._watches.get(storage._cdata)
             new = self._new_allocation(t, after, seq, call_site)
             if watch is not None:
-                self._recorded.frees[watch.index] = (next(self._clock), self._ops[seq][2])
+                self._recorded.frees[watch.index] = FreeRow(next(self._clock), self._ops[seq].phase)
                 watch.index = new
             else:
                 self._start_watch(storage, new)
@@ -355,8 +362,8 @@ class Recorder(TorchDispatchMode):
             return
         metadata = _metadata(node)
         if NODE_STAMP not in metadata:
-            _, _, _, site, _, module = self._ops[seq]
-            metadata[NODE_STAMP] = (site, module)
+            row = self._ops[seq]
+            metadata[NODE_STAMP] = (row.site, row.module)
             # (a custom Function that returns a view of what it made gets its node on that view)
             if (marks_saved or isinstance(node, _CustomFunctionNode)) and seq not in self._under_user_hooks:
                 self._mark_saved(node)
@@ -402,7 +409,8 @@ class Recorder(TorchDispatchMode):
         if under_hooks := self._under_user_hooks:
             recorded = self._recorded
             for index, row in enumerate(recorded.rows):
-                if row[0] in under_hooks and recorded.frees.get(index, (0, None))[1] == "backward":
+                free = recorded.frees.get(index)
+                if row.seq in under_hooks and free is not None and free.phase is _BACKWARD:
                     recorded.saved.add(index)
         self.trace.end_tick = next(self._clock)
         self._watches.clear()

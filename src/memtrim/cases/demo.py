@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
+from memtrim.api import track
 from memtrim.bench.compare import compare
-from memtrim.capture.api import track
 from memtrim.cases.heads import head_results, head_results_broadcast
-from memtrim.report.units import format_bytes
-from memtrim.verify import verify
+from memtrim.units import format_bytes
+from memtrim.verify.api import verify
 
 
 def heads_demo(argv: Sequence[str] | None = None) -> int:

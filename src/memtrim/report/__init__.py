@@ -1,6 +1,8 @@
-"""The report stage: views of a trace for people (terminal) and programs (JSON via Trace.to_dict)."""
+"""The report stage: views of an :class:`~memtrim.analysis.Analysis` for people (terminal) and
+programs (the JSON summary saved with a trace)."""
 
+from memtrim.report.escape import safe
+from memtrim.report.json import summary
 from memtrim.report.terminal import render
-from memtrim.report.units import format_bytes
 
-__all__ = ["format_bytes", "render"]
+__all__ = ["render", "safe", "summary"]

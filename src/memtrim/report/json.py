@@ -1,38 +1,89 @@
-"""The JSON report: the raw trace log plus the figures a program consuming it wants first."""
+"""The JSON summary: the figures a program consuming a trace file wants first (the raw log follows)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memtrim.analysis.diagnoses import diagnose
-from memtrim.analysis.timeline import find_peak, largest_temporaries, live_at_peak, peaks_by_device
-from memtrim.trace.model import Trace
-from memtrim.trace.serialize import trace_to_dict
+from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak
+from memtrim.trace.model import Allocation
 
 
-def summary(trace: Trace) -> dict[str, Any]:
+def allocation_json(analysis: Analysis, a: Allocation) -> dict[str, Any]:
+    """An allocation as a flat JSON object."""
     return {
-        "peak_bytes": find_peak(trace).bytes,
-        "peak": find_peak(trace).describe(),
-        "peak_bytes_by_device": {device: p.bytes for device, p in peaks_by_device(trace).items()},
-        "live_at_peak": [group.describe() for group in live_at_peak(trace)[:20]],
-        "largest_temporaries": [a.describe() for a in largest_temporaries(trace, 20)],
-        "diagnoses": [
-            {
-                "rule": d.rule,
-                "problem": d.problem,
-                "advice": d.advice,
-                "file": d.site.file if d.site else None,
-                "line": d.site.line if d.site else None,
-                "peak_after": d.peak_after,
-                "allocations": [a.id for a in d.allocations],
-            }
-            for d in diagnose(trace)
-        ],
+        "id": a.id,
+        "bytes": a.bytes,
+        "op": a.op,
+        "shape": list(a.shape),
+        "dtype": a.dtype,
+        "device": a.device,
+        "phase": a.phase.value,
+        "category": analysis.category(a).value,
+        "file": a.file,
+        "line": a.line,
+        "function": a.function,
+        "node": a.node,
+        "module": a.module,
+        "alloc_tick": a.alloc_tick,
+        "free_tick": a.free_tick,
     }
 
 
-def trace_json(trace: Trace) -> dict[str, Any]:
-    """``{schema, <summary figures>, <raw log>}``; memtrim.load reads the raw log and ignores the rest."""
-    raw = trace_to_dict(trace)
-    return {"schema": raw.pop("schema"), **summary(trace), **raw}
+def peak_json(peak: Peak) -> dict[str, Any]:
+    site, a = peak.site, peak.allocation
+    return {
+        "bytes": peak.bytes,
+        "device": peak.device,
+        "tick": peak.tick,
+        "phase": None if peak.phase is None else peak.phase.value,
+        "op": a.op if a else None,
+        "node": a.node if a else None,
+        "file": site.file if site else None,
+        "line": site.line if site else None,
+        "function": site.function if site else None,
+    }
+
+
+def line_group_json(group: LineGroup) -> dict[str, Any]:
+    site = group.site
+    return {
+        "file": site.file if site else None,
+        "line": site.line if site else None,
+        "function": site.function if site else None,
+        "bytes": group.bytes,
+        "count": group.count,
+        "categories": {category.value: n for category, n in group.categories.items()},
+        "ops": dict(group.ops),
+    }
+
+
+def diagnosis_json(d: Diagnosis) -> dict[str, Any]:
+    return {
+        "rule": d.rule,
+        "file": d.site.file if d.site else None,
+        "line": d.site.line if d.site else None,
+        "function": d.site.function if d.site else None,
+        "module": d.module,
+        "problem": d.problem,
+        "fix": d.fix,
+        "bytes_at_stake": d.bytes_at_stake,
+        "peak_before": d.peak_before,
+        "peak_after": d.peak_after,
+        "safe_because": list(d.safe_because),
+        "verify_mode": d.verify_mode,
+        "ops": list(d.ops),
+        "allocations": [a.id for a in d.allocations],
+    }
+
+
+def summary(analysis: Analysis, *, rows: int = 20) -> dict[str, Any]:
+    """The derived figures, ``rows`` per list."""
+    return {
+        "peak_bytes": analysis.peak.bytes,
+        "peak": peak_json(analysis.peak),
+        "peak_bytes_by_device": {device: p.bytes for device, p in analysis.peaks.items()},
+        "peak_by_phase": {phase.value: n for phase, n in analysis.peak_by_phase.items()},
+        "live_at_peak": [line_group_json(g) for g in analysis.lines_at_peak[:rows]],
+        "largest_temporaries": [allocation_json(analysis, a) for a in analysis.largest_temporaries(rows)],
+        "diagnoses": [diagnosis_json(d) for d in analysis.diagnoses],
+    }

@@ -1,6 +1,47 @@
-"""The trace stage: a versioned, JSON-serialisable event log (no tensors held)."""
+"""The trace stage: a plain, versioned, JSON-serialisable event log (no tensors held).
 
-from memtrim.trace.model import SCHEMA, Allocation, OpCall, OpLog, Site, Trace
-from memtrim.trace.serialize import TraceFormatError, load, save
+It imports nothing else of memtrim; every other stage reads it.
+"""
 
-__all__ = ["SCHEMA", "Allocation", "OpCall", "OpLog", "Site", "Trace", "TraceFormatError", "load", "save"]
+from memtrim.trace.model import (
+    PRE_REGION_OP,
+    SCHEMA,
+    Allocation,
+    AllocationLog,
+    AllocRow,
+    FreeRow,
+    OpCall,
+    OpLog,
+    OpRow,
+    Phase,
+    Site,
+    TraceLog,
+    dtype_name,
+    shape_text,
+    site_text,
+)
+from memtrim.trace.serialize import TraceFormatError, check_writable, dumps, load, loads, save
+
+__all__ = [
+    "PRE_REGION_OP",
+    "SCHEMA",
+    "AllocRow",
+    "Allocation",
+    "AllocationLog",
+    "FreeRow",
+    "OpCall",
+    "OpLog",
+    "OpRow",
+    "Phase",
+    "Site",
+    "TraceFormatError",
+    "TraceLog",
+    "check_writable",
+    "dtype_name",
+    "dumps",
+    "load",
+    "loads",
+    "save",
+    "shape_text",
+    "site_text",
+]

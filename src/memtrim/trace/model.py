@@ -1,22 +1,44 @@
-"""The trace: a plain, JSON-serialisable event log of one tracked region. It holds no tensors.
+"""The trace: a plain, versioned event log of one tracked region. It holds no tensors and answers no
+questions: peaks, categories, roles and diagnoses are computed from it by :mod:`memtrim.analysis`.
 
-Everything here is data. Questions about the data (peak, live set, categories, temporaries) are
-answered by :mod:`memtrim.analysis`; the thin methods on :class:`Trace` only delegate there so that
-the public API reads naturally (``trace.peak_bytes``).
+This package imports nothing else of memtrim (a test guards the edge): it is the data every stage
+reads, so it must not depend on any of them.
+
+Row layouts (what the recorder appends on its hot path; see docs/ARCHITECTURE.md):
+
+- :class:`OpRow` ``(tick, op, phase, site, node, module)``, one per aten op; an op's number (its
+  ``seq``) is its index in the log.
+- :class:`AllocRow` ``(seq, bytes, dtype, shape, device, tick, call_site)``, one per storage; ``seq``
+  is the number of the op that made it, or -1 for a storage that existed before the region.
+- :class:`FreeRow` ``(tick, phase)`` per freed allocation, keyed by the allocation's row number.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
-
-if TYPE_CHECKING:
-    from memtrim.analysis.timeline import LineGroup, Peak
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple, overload
 
 SCHEMA = "memtrim.trace/1"
 
-PHASES = ("forward", "backward", "other")
+
+class Phase(str, Enum):
+    """Which part of a training step an op ran in."""
+
+    FORWARD = "forward"
+    """Grad mode on, or inside a custom ``autograd.Function.forward``."""
+    BACKWARD = "backward"
+    """Run by the autograd engine (built-in nodes, custom ``Function.backward``, the seed gradient)."""
+    OTHER = "other"
+    """``no_grad``/``inference_mode`` code and ``torch.optim`` steps."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PRE_REGION_OP = "(before the region)"
+"""The op name of a storage that existed before the region (first seen as an input)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +49,71 @@ class Site:
     line: int
     function: str
 
+    def text(self, *, path_parts: int | None = 2) -> str:
+        """``prog.py:4 in <module>``; ``path_parts`` keeps that many trailing parts of the path
+        (``None``: the whole path)."""
+        return f"{shorten_path(self.file, path_parts)}:{self.line} in {self.function}"
+
     def __str__(self) -> str:
-        return f"{self.file}:{self.line} ({self.function})"
+        return self.text(path_parts=None)
+
+
+def site_text(site: Site | None, *, path_parts: int | None = 2) -> str:
+    """:meth:`Site.text`, or ``(no user frame)`` for an op no user code ran."""
+    return "(no user frame)" if site is None else site.text(path_parts=path_parts)
+
+
+def shorten_path(path: str, parts: int | None = 2) -> str:
+    """The last ``parts`` components of ``path`` (all of it for ``None``)."""
+    if not path:
+        return "?"
+    if parts is None:
+        return path
+    return "/".join(path.replace("\\", "/").split("/")[-parts:])
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """``64x12x64x768``; ``scalar`` for a 0-dim tensor."""
+    return "x".join(map(str, shape)) or "scalar"
+
+
+_names: dict[Any, str] = {}
+
+
+def dtype_name(value: Any) -> str:
+    """``float32`` for ``torch.float32``, ``cuda:0`` for a device: how names are kept in a trace."""
+    name = _names.get(value)
+    if name is None:
+        name = _names[value] = str(value).removeprefix("torch.")
+    return name
+
+
+class OpRow(NamedTuple):
+    """One aten op call as the recorder stores it."""
+
+    tick: int
+    op: str
+    phase: Phase
+    site: Site | None
+    node: str | None
+    module: str | None
+
+
+class AllocRow(NamedTuple):
+    """One storage as the recorder stores it; dtype, shape and device as torch gave them."""
+
+    seq: int
+    bytes: int
+    dtype: Any
+    shape: Any
+    device: Any
+    tick: int
+    call_site: Site | None
+
+
+class FreeRow(NamedTuple):
+    tick: int
+    phase: Phase
 
 
 @dataclass(slots=True)
@@ -38,27 +123,23 @@ class OpCall:
     seq: int
     tick: int
     op: str
-    phase: str
+    phase: Phase
     site: Site | None
     node: str | None = None
     module: str | None = None
 
 
-OpRow = tuple[int, str, str, "Site | None", "str | None", "str | None"]
-
-
 class OpLog(Sequence[OpCall]):
-    """Every op call, stored as a row ``(tick, op, phase, site, node, module)``: recording appends one
-    tuple per op instead of building an object (cheaper, and no work for the garbage collector);
-    reading yields :class:`OpCall` objects."""
+    """Every op call as :class:`OpRow` rows (one tuple per op while recording: cheap, and no work for
+    the garbage collector); reading yields :class:`OpCall` objects."""
 
     __slots__ = ("rows",)
 
-    def __init__(self) -> None:
-        self.rows: list[OpRow] = []
+    def __init__(self, rows: list[OpRow] | None = None) -> None:
+        self.rows: list[OpRow] = rows if rows is not None else []
 
     def append(self, op: OpCall) -> None:
-        self.rows.append((op.tick, op.op, op.phase, op.site, op.node, op.module))
+        self.rows.append(OpRow(op.tick, op.op, op.phase, op.site, op.node, op.module))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -75,7 +156,7 @@ class OpLog(Sequence[OpCall]):
         return OpCall(index, *self.rows[index])
 
     def __iter__(self) -> Iterator[OpCall]:
-        return (self[i] for i in range(len(self)))
+        return (OpCall(i, *row) for i, row in enumerate(self.rows))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OpLog) and self.rows == other.rows
@@ -89,7 +170,8 @@ class Allocation:
 
     ``site`` is where a person should look: the user's line that ran the op, or — for an op that the
     autograd engine ran for a built-in backward node — the forward line that created the node.
-    ``call_site`` is the innermost user frame at the time of the op, when it differs.
+    ``call_site`` is the innermost user frame at the time of the op, when it differs. ``id`` is the
+    allocation's index in :attr:`TraceLog.allocations`.
     """
 
     id: int
@@ -98,10 +180,10 @@ class Allocation:
     shape: tuple[int, ...]
     device: str
     op: str
-    phase: str
+    phase: Phase
     alloc_tick: int
     free_tick: int | None = None
-    free_phase: str | None = None
+    free_phase: Phase | None = None
     site: Site | None = None
     call_site: Site | None = None
     node: str | None = None
@@ -121,117 +203,90 @@ class Allocation:
     def function(self) -> str | None:
         return self.site.function if self.site else None
 
-    @property
-    def category(self) -> str:
-        from memtrim.analysis.categories import categorize
-
-        return categorize(self)
-
-    def describe(self) -> dict[str, Any]:
-        """The allocation as a flat JSON object (the shape reporters and users consume)."""
-        return {
-            "bytes": self.bytes,
-            "op": self.op,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "device": self.device,
-            "phase": self.phase,
-            "category": self.category,
-            "file": self.file,
-            "line": self.line,
-            "function": self.function,
-            "node": self.node,
-            "module": self.module,
-            "alloc_tick": self.alloc_tick,
-            "free_tick": self.free_tick,
-        }
+    def alive_at(self, tick: int) -> bool:
+        """Made inside the region at or before ``tick`` and not freed by then."""
+        return (
+            not self.preexisting
+            and self.alloc_tick <= tick
+            and (self.free_tick is None or self.free_tick > tick)
+        )
 
 
 class AllocationLog:
-    """Allocations as the recorder writes them: one row per storage, frees and saves by row number.
+    """Allocations as the recorder writes them: :class:`AllocRow` rows, frees and saves by row number.
 
     :class:`Allocation` objects are made from the rows when a trace is first read, not while the
-    program runs: what an op made (name, phase, site, node, module) is looked up in the op log by
-    the row's op number, and dtypes, devices and shapes are kept as torch gave them until then.
-    A row's op number is -1 for a storage that existed before the region.
+    program runs: what an op made (name, phase, site, node, module) is looked up in the op log by the
+    row's op number, and dtypes, devices and shapes are kept as torch gave them until then.
     """
 
     __slots__ = ("frees", "rows", "saved")
 
     def __init__(self) -> None:
-        # (op seq, bytes, dtype, shape, device, alloc tick, call site)
-        self.rows: list[tuple[Any, ...]] = []
-        self.frees: dict[int, tuple[int, str]] = {}  # row -> (free tick, phase at the free)
+        self.rows: list[AllocRow] = []
+        self.frees: dict[int, FreeRow] = {}
         self.saved: set[int] = set()
 
     def materialize(self, ops: OpLog) -> list[Allocation]:
         op_rows = ops.rows
         frees, saved = self.frees, self.saved
         allocations = []
-        for i, (seq, nbytes, dtype, shape, device, tick, call_site) in enumerate(self.rows):
-            free_tick, free_phase = frees.get(i, (None, None))
-            if seq < 0:  # from before the region
-                op, phase, site, node, module = "(before the region)", "other", None, None, None
+        for i, row in enumerate(self.rows):
+            free = frees.get(i)
+            if row.seq < 0:  # from before the region
+                op, phase, site, node, module = PRE_REGION_OP, Phase.OTHER, None, None, None
             else:
-                _, op, phase, site, node, module = op_rows[seq]
+                _, op, phase, site, node, module = op_rows[row.seq]
             allocations.append(
                 Allocation(
-                    i,
-                    nbytes,
-                    _name(dtype),
-                    tuple(shape),
-                    _name(device),
-                    op,
-                    phase,
-                    tick,
-                    free_tick,
-                    free_phase,
-                    site,
-                    call_site if call_site is not site else None,
-                    node,
-                    module,
-                    saved=seq >= 0 and i in saved,
-                    preexisting=seq < 0,
+                    id=i,
+                    bytes=row.bytes,
+                    dtype=dtype_name(row.dtype),
+                    shape=tuple(row.shape),
+                    device=dtype_name(row.device),
+                    op=op,
+                    phase=phase,
+                    alloc_tick=row.tick,
+                    free_tick=None if free is None else free.tick,
+                    free_phase=None if free is None else free.phase,
+                    site=site,
+                    call_site=row.call_site if row.call_site is not site else None,
+                    node=node,
+                    module=module,
+                    saved=row.seq >= 0 and i in saved,
+                    preexisting=row.seq < 0,
                 )
             )
         return allocations
 
 
-_names: dict[Any, str] = {}
+@dataclass
+class TraceLog:
+    """Everything recorded in one tracked region: ops, allocations and what happened at the end.
 
+    ``allocations`` are read from the recorder's rows on first access once the region is finished;
+    while it is still recording, each access gives a snapshot of what is known so far.
+    """
 
-def _name(value: Any) -> str:
-    """``float32`` for torch.float32, ``cuda:0`` for a device (names are kept in the trace as text)."""
-    name = _names.get(value)
-    if name is None:
-        name = _names[value] = str(value).removeprefix("torch.")
-    return name
+    ops: OpLog = field(default_factory=OpLog)
+    end_tick: int = 0
+    fake: bool = False
+    error: str | None = None
+    failed_op: OpCall | None = None
+    cuda_max_allocated: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON facts about the run (rank, world size, torch version, ...)."""
+    recorded: AllocationLog | None = None
+    """Set by the recorder; read into :attr:`allocations`."""
+    _allocations: list[Allocation] = field(default_factory=list, repr=False)
 
-
-class Trace:
-    """Everything recorded in one ``memtrim.track()`` region."""
-
-    def __init__(
-        self,
-        *,
-        ops: OpLog | None = None,
-        allocations: list[Allocation] | None = None,
-        end_tick: int = 0,
-        fake: bool = False,
-        error: str | None = None,
-        failed_op: OpCall | None = None,
-        cuda_max_allocated: dict[str, int] | None = None,
-        finished: bool = False,
-    ) -> None:
-        self.ops = ops if ops is not None else OpLog()
-        self._allocations = allocations if allocations is not None else []
-        self.recorded: AllocationLog | None = None  # set by the recorder; read into allocations
-        self.end_tick = end_tick
-        self.fake = fake
-        self.error = error
-        self.failed_op = failed_op
-        self.cuda_max_allocated = cuda_max_allocated if cuda_max_allocated is not None else {}
-        self.finished = finished
+    @classmethod
+    def of(cls, allocations: list[Allocation], ops: OpLog | None = None, **fields: Any) -> TraceLog:
+        """A finished log from allocations made elsewhere (a loaded file, a hand-built test trace)."""
+        log = cls(ops=ops if ops is not None else OpLog(), finished=True, **fields)
+        log._allocations = allocations
+        return log
 
     @property
     def allocations(self) -> list[Allocation]:
@@ -245,55 +300,4 @@ class Trace:
 
     def __repr__(self) -> str:
         state = "finished" if self.finished else "recording"
-        return f"<memtrim.Trace {state}: {len(self.ops)} ops, {len(self.allocations)} allocations>"
-
-    # -- analysis (delegated; see memtrim.analysis) -------------------------------------------------
-    @property
-    def peak_bytes(self) -> int:
-        """Peak bytes above the region's start, on the device with the largest peak."""
-        return self.peak.bytes
-
-    def peak_bytes_as(self, allocator: str) -> int:
-        """The peak if every block were charged by ``allocator``'s rule, e.g. ``"cuda"`` (512-byte
-        rounding): a GPU prediction from a trace recorded on the CPU or with ``fake=True``."""
-        from memtrim.analysis.timeline import find_peak
-
-        return find_peak(self, charge_as=allocator).bytes
-
-    @property
-    def peak(self) -> Peak:
-        from memtrim.analysis.timeline import find_peak
-
-        return find_peak(self)
-
-    def live_at_peak(self) -> list[LineGroup]:
-        from memtrim.analysis.timeline import live_at_peak
-
-        return live_at_peak(self)
-
-    def largest_temporaries(self, n: int = 10) -> list[Allocation]:
-        from memtrim.analysis.timeline import largest_temporaries
-
-        return largest_temporaries(self, n)
-
-    def peak_bytes_by_device(self) -> dict[str, int]:
-        from memtrim.analysis.timeline import peaks_by_device
-
-        return {device: peak.bytes for device, peak in peaks_by_device(self).items()}
-
-    # -- reporting -------------------------------------------------------------------------------
-    def report(self, *, top: int = 5) -> str:
-        from memtrim.report.terminal import render
-
-        return render(self, top=top)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON form: the raw log plus derived figures (peak, temporaries, diagnoses)."""
-        from memtrim.report.json import trace_json
-
-        return trace_json(self)
-
-    def save(self, path: str) -> None:
-        from memtrim.trace.serialize import save
-
-        save(self, path)
+        return f"<memtrim.TraceLog {state}: {len(self.ops)} ops, {len(self.allocations)} allocations>"

@@ -1,20 +1,34 @@
-"""JSON round trip for traces. Files are written atomically and read as JSON only (never pickle)."""
+"""JSON round trip for trace logs: written atomically (as ``open()`` would, honouring the umask), read as
+JSON only (never pickle) and validated field by field, so a bad file is one clear error naming the field.
+
+Saving writes the raw log. A caller may add a ``summary`` (the report layer supplies the figures a
+program wants first: peak, live set, diagnoses); loading reads the raw log and ignores the summary.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
-from typing import Any
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from memtrim.trace.model import SCHEMA, Allocation, OpCall, OpLog, Site, Trace
+from memtrim.trace.model import SCHEMA, Allocation, OpCall, OpLog, OpRow, Phase, Site, TraceLog
+
+READABLE_SCHEMAS = (SCHEMA,)
+
+OP_COLUMNS = ["seq", "tick", "op", "phase", "site", "node", "module"]
+
+# No allocation, tick or count in a real program reaches 2**62 (4 EiB); larger numbers in a file are
+# corruption, not memory, and would print as nonsense ("1073741824 TiB").
+MAX_INT = 2**62
 
 
 class TraceFormatError(ValueError):
     """A file that is not a memtrim trace, or one written by an incompatible version."""
 
 
-def _site_table(trace: Trace) -> tuple[list[Site], dict[Site, int]]:
+def _site_table(log: TraceLog) -> tuple[list[Site], dict[Site, int]]:
     sites: list[Site] = []
     index: dict[Site, int] = {}
 
@@ -23,37 +37,43 @@ def _site_table(trace: Trace) -> tuple[list[Site], dict[Site, int]]:
             index[site] = len(sites)
             sites.append(site)
 
-    for op in trace.ops:
-        add(op.site)
-    for alloc in trace.allocations:
+    for row in log.ops.rows:
+        add(row.site)
+    for alloc in log.allocations:
         add(alloc.site)
         add(alloc.call_site)
-    if trace.failed_op is not None:
-        add(trace.failed_op.site)
+    if log.failed_op is not None:
+        add(log.failed_op.site)
     return sites, index
 
 
-def trace_to_dict(trace: Trace) -> dict[str, Any]:
-    """The raw event log as plain JSON data (derived figures are added by memtrim.report.json)."""
-    sites, index = _site_table(trace)
+def log_to_dict(log: TraceLog) -> dict[str, Any]:
+    """The raw event log as plain JSON data."""
+    sites, index = _site_table(log)
 
     def ref(site: Site | None) -> int | None:
         return None if site is None else index[site]
 
-    def op_row(op: OpCall) -> list[Any]:
-        return [op.seq, op.tick, op.op, op.phase, ref(op.site), op.node, op.module]
+    def op_row(seq: int, row: OpRow) -> list[Any]:
+        return [seq, row.tick, row.op, row.phase.value, ref(row.site), row.node, row.module]
 
+    failed = log.failed_op
     return {
         "schema": SCHEMA,
-        "fake": trace.fake,
-        "finished": trace.finished,
-        "error": trace.error,
-        "cuda_max_allocated": trace.cuda_max_allocated,
-        "end_tick": trace.end_tick,
+        "fake": log.fake,
+        "finished": log.finished,
+        "error": log.error,
+        "cuda_max_allocated": log.cuda_max_allocated,
+        "metadata": log.metadata,
+        "end_tick": log.end_tick,
         "sites": [[s.file, s.line, s.function] for s in sites],
-        "op_columns": ["seq", "tick", "op", "phase", "site", "node", "module"],
-        "ops": [op_row(op) for op in trace.ops],
-        "failed_op": None if trace.failed_op is None else op_row(trace.failed_op),
+        "op_columns": OP_COLUMNS,
+        "ops": [op_row(seq, row) for seq, row in enumerate(log.ops.rows)],
+        "failed_op": None
+        if failed is None
+        else op_row(
+            failed.seq, OpRow(failed.tick, failed.op, failed.phase, failed.site, failed.node, failed.module)
+        ),
         "allocations": [
             {
                 "id": a.id,
@@ -62,10 +82,10 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
                 "shape": list(a.shape),
                 "device": a.device,
                 "op": a.op,
-                "phase": a.phase,
+                "phase": a.phase.value,
                 "alloc_tick": a.alloc_tick,
                 "free_tick": a.free_tick,
-                "free_phase": a.free_phase,
+                "free_phase": None if a.free_phase is None else a.free_phase.value,
                 "site": ref(a.site),
                 "call_site": ref(a.call_site),
                 "node": a.node,
@@ -73,74 +93,184 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
                 "saved": a.saved,
                 "preexisting": a.preexisting,
             }
-            for a in trace.allocations
+            for a in log.allocations
         ],
     }
 
 
-def trace_from_dict(data: Any) -> Trace:
+# -- validation ------------------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+def _fail(where: str, expected: str, value: Any) -> TraceFormatError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return TraceFormatError(f"malformed memtrim trace: {where} should be {expected}, got {shown}")
+
+
+def _int(value: Any, where: str, *, low: int = 0) -> int:
+    if type(value) is not int or not low <= value < MAX_INT:
+        raise _fail(where, f"an integer from {low} to 2**62", value)
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, "a string", value)
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, "true or false", value)
+    return value
+
+
+def _phase(value: Any, where: str) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        raise _fail(where, "one of " + ", ".join(repr(p.value) for p in Phase), value) from None
+
+
+def _optional(check: Callable[[Any, str], T], value: Any, where: str) -> T | None:
+    return None if value is None else check(value, where)
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail(where, "a list", value)
+    return value
+
+
+def _field(data: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in data:
+        raise TraceFormatError(f"malformed memtrim trace: {where} has no {name!r} field")
+    return data[name]
+
+
+def log_from_dict(data: Any) -> TraceLog:
+    """The :class:`TraceLog` in ``data`` (parsed JSON), checked field by field."""
     if not isinstance(data, dict) or "schema" not in data:
         raise TraceFormatError("not a memtrim trace: expected a JSON object with a 'schema' field")
-    if data["schema"] != SCHEMA:
+    if data["schema"] not in READABLE_SCHEMAS:
         raise TraceFormatError(
-            f"trace schema {data['schema']!r} is not supported by this memtrim (reads {SCHEMA!r}); "
-            "re-record the trace with this version"
+            f"trace schema {data['schema']!r} is not supported by this memtrim (reads "
+            f"{', '.join(map(repr, READABLE_SCHEMAS))}); re-record the trace with this version"
         )
-    try:
-        sites = [Site(str(f), int(ln), str(fn)) for f, ln, fn in data["sites"]]
-
-        def site(i: int | None) -> Site | None:
-            return None if i is None else sites[i]
-
-        def op_from_row(row: list[Any]) -> OpCall:
-            seq, tick, op, phase, site_index, node, module = row
-            return OpCall(seq, tick, op, phase, site(site_index), node, module)
-
-        allocations = [
-            Allocation(
-                id=a["id"],
-                bytes=a["bytes"],
-                dtype=a["dtype"],
-                shape=tuple(a["shape"]),
-                device=a["device"],
-                op=a["op"],
-                phase=a["phase"],
-                alloc_tick=a["alloc_tick"],
-                free_tick=a["free_tick"],
-                free_phase=a["free_phase"],
-                site=site(a["site"]),
-                call_site=site(a["call_site"]),
-                node=a["node"],
-                module=a["module"],
-                saved=a["saved"],
-                preexisting=a["preexisting"],
+    get = lambda name: _field(data, name, "the trace")  # noqa: E731
+    sites = []
+    for i, row in enumerate(_list(get("sites"), "sites")):
+        where = f"sites[{i}]"
+        if not isinstance(row, list) or len(row) != 3:
+            raise _fail(where, "[file, line, function]", row)
+        sites.append(
+            Site(
+                _str(row[0], where + " file"),
+                _int(row[1], where + " line"),
+                _str(row[2], where + " function"),
             )
-            for a in data["allocations"]
-        ]
-        ops = OpLog()
-        for row in data["ops"]:
-            ops.append(op_from_row(row))
-        return Trace(
-            ops=ops,
-            allocations=allocations,
-            end_tick=data["end_tick"],
-            fake=data["fake"],
-            error=data["error"],
-            failed_op=None if data["failed_op"] is None else op_from_row(data["failed_op"]),
-            cuda_max_allocated=dict(data["cuda_max_allocated"]),
-            finished=data["finished"],
         )
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise TraceFormatError(f"malformed memtrim trace: {type(exc).__name__}: {exc}") from exc
+
+    def site(value: Any, where: str) -> Site | None:
+        if value is None:
+            return None
+        if type(value) is not int or not 0 <= value < len(sites):
+            raise _fail(where, f"a site number below {len(sites)} or null", value)
+        return sites[value]
+
+    def op_from_row(row: Any, where: str) -> OpCall:
+        if not isinstance(row, list) or len(row) != len(OP_COLUMNS):
+            raise _fail(where, "[" + ", ".join(OP_COLUMNS) + "]", row)
+        seq, tick, op, phase, site_index, node, module = row
+        return OpCall(
+            _int(seq, where + " seq"),
+            _int(tick, where + " tick"),
+            _str(op, where + " op"),
+            _phase(phase, where + " phase"),
+            site(site_index, where + " site"),
+            _optional(_str, node, where + " node"),
+            _optional(_str, module, where + " module"),
+        )
+
+    ops = OpLog()
+    for i, row in enumerate(_list(get("ops"), "ops")):
+        ops.append(op_from_row(row, f"ops[{i}]"))
+
+    allocations = []
+    for i, a in enumerate(_list(get("allocations"), "allocations")):
+        where = f"allocations[{i}]"
+        if not isinstance(a, dict):
+            raise _fail(where, "an object", a)
+        f = lambda name, w=where, a=a: _field(a, name, w)  # noqa: E731
+        preexisting = _bool(f("preexisting"), where + ".preexisting")
+        if _int(f("id"), where + ".id") != i:
+            raise _fail(where + ".id", f"its position {i}", f("id"))
+        shape = _list(f("shape"), where + ".shape")
+        allocations.append(
+            Allocation(
+                id=i,
+                bytes=_int(f("bytes"), where + ".bytes"),
+                dtype=_str(f("dtype"), where + ".dtype"),
+                shape=tuple(_int(d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
+                device=_str(f("device"), where + ".device"),
+                op=_str(f("op"), where + ".op"),
+                phase=_phase(f("phase"), where + ".phase"),
+                alloc_tick=_int(f("alloc_tick"), where + ".alloc_tick", low=-1 if preexisting else 0),
+                free_tick=_optional(_int, f("free_tick"), where + ".free_tick"),
+                free_phase=_optional(_phase, f("free_phase"), where + ".free_phase"),
+                site=site(f("site"), where + ".site"),
+                call_site=site(f("call_site"), where + ".call_site"),
+                node=_optional(_str, f("node"), where + ".node"),
+                module=_optional(_str, f("module"), where + ".module"),
+                saved=_bool(f("saved"), where + ".saved"),
+                preexisting=preexisting,
+            )
+        )
+        if (allocations[-1].free_tick is None) != (allocations[-1].free_phase is None):
+            raise _fail(where + ".free_phase", "set exactly when free_tick is", f("free_phase"))
+
+    cuda = get("cuda_max_allocated")
+    if not isinstance(cuda, dict):
+        raise _fail("cuda_max_allocated", "an object", cuda)
+    metadata = data.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _fail("metadata", "an object", metadata)
+    failed = get("failed_op")
+    return TraceLog.of(
+        allocations,
+        ops,
+        end_tick=_int(get("end_tick"), "end_tick"),
+        fake=_bool(get("fake"), "fake"),
+        error=_optional(_str, get("error"), "error"),
+        failed_op=None if failed is None else op_from_row(failed, "failed_op"),
+        cuda_max_allocated={
+            _str(k, "cuda_max_allocated key"): _int(v, f"cuda_max_allocated[{k!r}]") for k, v in cuda.items()
+        },
+        metadata=metadata,
+    )
 
 
+# -- files -----------------------------------------------------------------------------------------
 def write_text_atomically(path: str, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
+    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file.
+
+    The file gets the permissions ``open(path, "w")`` would give it (0666 less the umask), not
+    ``mkstemp``'s 0600; an existing file's permissions are kept.
+    """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".memtrim-", suffix=".tmp", dir=folder)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.memtrim-tmp")
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        mode = None
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -148,16 +278,48 @@ def write_text_atomically(path: str, text: str) -> None:
         raise
 
 
-def save(trace: Trace, path: str) -> None:
-    write_text_atomically(path, json.dumps(trace.to_dict(), indent=1) + "\n")
+def check_writable(path: str) -> None:
+    """Raise ``OSError`` now if ``path`` could not be written later (its folder is missing or read-only,
+    or it is a folder): checked before a long run so that the run's trace is not lost at the end."""
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"{path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"the folder of {path} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write in the folder of {path}")
 
 
-def load(path: str) -> Trace:
-    """Read a trace written by :meth:`Trace.save`."""
+def dumps(log: TraceLog, summary: Mapping[str, Any] | None = None) -> str:
+    """``{schema, <summary>, <raw log>}`` as JSON text."""
+    raw = log_to_dict(log)
+    data = {"schema": raw.pop("schema"), **(summary or {}), **raw}
+    return json.dumps(data, indent=1, allow_nan=False) + "\n"
+
+
+def save(log: TraceLog, path: str, summary: Mapping[str, Any] | None = None) -> None:
+    write_text_atomically(path, dumps(log, summary))
+
+
+def _no_constants(name: str) -> Any:
+    raise TraceFormatError(f"malformed memtrim trace: {name} is not a number a trace can hold")
+
+
+def loads(text: str | bytes, source: str = "the trace") -> TraceLog:
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        data = json.loads(text, parse_constant=_no_constants)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceFormatError(f"{source} is not JSON ({exc}); memtrim traces are JSON files") from exc
+    except RecursionError as exc:
+        raise TraceFormatError(f"{source} nests too deeply to be a memtrim trace") from exc
+    return log_from_dict(data)
+
+
+def load(path: str) -> TraceLog:
+    """Read a trace log written by :func:`save`."""
     with open(path, "rb") as handle:
         raw = handle.read()
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceFormatError(f"{path} is not JSON ({exc}); memtrim traces are JSON files") from exc
-    return trace_from_dict(data)
+    return loads(raw, path)

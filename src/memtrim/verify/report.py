@@ -10,10 +10,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from memtrim.report.units import format_bytes
+from memtrim.analysis.footprint import Footprint, peak_change
+from memtrim.units import format_bytes
 from memtrim.verify.cases import Case
 from memtrim.verify.compare import Quantity
-from memtrim.verify.runner import Memory
 
 
 @dataclass
@@ -45,14 +45,14 @@ class CaseResult:
     status: str = "passed"  # passed | failed | skipped
     held: str | None = None  # exact | reference
     quantities: list[Quantity] = field(default_factory=list)
-    memory_ref: Memory | str | None = None
-    memory_cand: Memory | str | None = None
+    memory_ref: Footprint | str | None = None
+    memory_cand: Footprint | str | None = None
     note: str = ""
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        def mem(m: Memory | str | None) -> Any:
-            return m.to_dict() if isinstance(m, Memory) else m
+        def mem(m: Footprint | str | None) -> Any:
+            return m.to_dict() if isinstance(m, Footprint) else m
 
         return {
             "case": self.case.id,
@@ -118,19 +118,21 @@ class VerifyReport:
     def memory_summary(self) -> str | None:
         """'equal results, 571 MiB less at peak' — for the case where the reference peaks highest."""
         measured = [
-            c for c in self.cases if isinstance(c.memory_ref, Memory) and isinstance(c.memory_cand, Memory)
+            c
+            for c in self.cases
+            if isinstance(c.memory_ref, Footprint) and isinstance(c.memory_cand, Footprint)
         ]
         if not measured:
             return None
-        case = max(measured, key=lambda c: c.memory_ref.peak_bytes if isinstance(c.memory_ref, Memory) else 0)
+        case = max(
+            measured, key=lambda c: c.memory_ref.peak_bytes if isinstance(c.memory_ref, Footprint) else 0
+        )
         ref, cand = case.memory_ref, case.memory_cand
-        assert isinstance(ref, Memory) and isinstance(cand, Memory)
-        saved = ref.peak_bytes - cand.peak_bytes
+        assert isinstance(ref, Footprint) and isinstance(cand, Footprint)
         head = "equal results" if self.passed else "results differ"
-        change = f"{format_bytes(saved)} less" if saved >= 0 else f"{format_bytes(-saved)} MORE"
         return (
-            f"memory ({case.case.id}): {head}, {change} at peak ({format_bytes(ref.peak_bytes)} -> "
-            f"{format_bytes(cand.peak_bytes)}); largest temporary {_temp(ref)} -> {_temp(cand)}"
+            f"memory ({case.case.id}): {head}, {peak_change(ref, cand)}; "
+            f"largest temporary {ref.temporary_text()} -> {cand.temporary_text()}"
         )
 
     def table(self) -> Table:
@@ -220,12 +222,6 @@ class VerifyReport:
         raise AssertionError("memtrim.verify ran no case: every case was skipped; " + "; ".join(self.notes))
 
 
-def _temp(m: Memory) -> str:
-    if not m.largest_temporary_bytes:
-        return "none"
-    return f"{format_bytes(m.largest_temporary_bytes)} ({m.largest_temporary_where or '?'})"
-
-
 def _row(c: CaseResult) -> list[str]:
     worst = _worst(c.quantities)
     if worst is None:
@@ -258,7 +254,7 @@ def _yn(v: bool | None) -> str:
 
 def _mem(c: CaseResult) -> str:
     r, k = c.memory_ref, c.memory_cand
-    if isinstance(r, Memory) and isinstance(k, Memory):
+    if isinstance(r, Footprint) and isinstance(k, Footprint):
         return f"{format_bytes(r.peak_bytes)} → {format_bytes(k.peak_bytes)}"
     return "-"
 

@@ -15,6 +15,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from memtrim.analysis.analysis import analyze
+from memtrim.analysis.footprint import Footprint
+from memtrim.capture.api import record
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _VERIFY_DIR = os.path.dirname(__file__)
 
@@ -196,39 +200,14 @@ def _second_order(
         res.error = _error("second-order backward", exc)
 
 
-@dataclass
-class Memory:
-    """Peak bytes above the start of a tracked forward+backward, and its largest temporary."""
-
-    peak_bytes: int
-    largest_temporary_bytes: int
-    largest_temporary_where: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "largest_temporary_bytes": self.largest_temporary_bytes,
-            "largest_temporary_where": self.largest_temporary_where,
-        }
-
-
-def measure(run: Callable[[], RunResult]) -> Memory | str:
+def measure(run: Callable[[], RunResult]) -> Footprint | str:
     """Run ``run`` under memtrim's tracker. Returns the figures, or why there are none."""
     try:
-        from memtrim.capture import track
-    except Exception as exc:  # the tracker is optional for verification
-        return f"memory tracker unavailable ({type(exc).__name__}: {exc})"
-    try:
-        with track() as trace:
+        with record() as log:
             result = run()
-        temps = trace.largest_temporaries(1)
+        footprint = Footprint.of(analyze(log))
     except Exception as exc:
         return f"memory tracking failed: {type(exc).__name__}: {exc}"
     if result.error is not None:
         return f"not measured: {result.error.describe()}"
-    where = None
-    if temps:
-        t = temps[0]
-        loc = f"{os.path.basename(t.file)}:{t.line}" if t.file else "?"
-        where = f"{t.op} at {loc}"
-    return Memory(int(trace.peak_bytes), int(temps[0].bytes) if temps else 0, where)
+    return footprint

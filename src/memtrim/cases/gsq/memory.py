@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from memtrim.analysis import live_curve
-from memtrim.trace.model import Trace
+from memtrim.api import Trace, track
+from memtrim.trace.model import Phase
 
 from .module import GumbelQuantizer2Bit
 
@@ -40,7 +40,7 @@ def buffer_bytes(q: GumbelQuantizer2Bit) -> int:
 
 def backward_peak(trace: Trace, device: str | None = None) -> int:
     """The backward peak (see module doc) on ``device`` (default: the device with most allocations)."""
-    ticks = [op.tick for op in trace.ops if op.phase == "backward"]
+    ticks = [op.tick for op in trace.ops if op.phase is Phase.BACKWARD]
     if not ticks:
         raise ValueError("the trace has no backward ops; track a region that calls loss.backward()")
     if device is None:
@@ -52,10 +52,12 @@ def backward_peak(trace: Trace, device: str | None = None) -> int:
     # backward op allocates, and frees that follow it, come after its own tick and still belong here.
     start = ticks[0]
     end = next(
-        (op.tick for op in trace.ops if op.tick > ticks[-1] and op.phase != "backward"), trace.end_tick
+        (op.tick for op in trace.ops if op.tick > ticks[-1] and op.phase is not Phase.BACKWARD),
+        trace.log.end_tick,
     )
     base = peak = None
-    for tick, live, _ in live_curve(trace, device):
+    curve = trace.analysis.curve(device)
+    for tick, live in zip(curve.ticks, curve.live, strict=True):
         if tick < start:
             base = live
             continue
@@ -147,10 +149,8 @@ def measure_step(
     With ``with_profiler`` the same run is also profiled (CPU only) for an independent figure.
     Call it inside ``memtrim.track(fake=True)`` with fake ``q`` and ``x`` to measure without allocating.
     """
-    import memtrim
-
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if with_profiler else None
-    with prof if prof is not None else contextlib.nullcontext(), memtrim.track() as trace:
+    with prof if prof is not None else contextlib.nullcontext(), track() as trace:
         _step(q, x, temperature, scale, optimizer)
     return StepMemory(
         variant=q.backward_variant,

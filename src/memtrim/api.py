@@ -1,0 +1,154 @@
+"""The public face: ``memtrim.track()`` and ``memtrim.load()`` give a :class:`Trace`, the recorded log
+with its analysis and reports one attribute away.
+
+This module sits on top of the pipeline (capture -> trace -> analysis -> report): the stages below
+never import it. A ``Trace`` computes its :class:`~memtrim.analysis.Analysis` once, the first time a
+figure is asked for after the region has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak, analyze
+from memtrim.capture.api import record
+from memtrim.report import json as report_json
+from memtrim.report.terminal import render
+from memtrim.trace import serialize
+from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
+
+
+class Trace:
+    """Everything recorded in one tracked region, and what memtrim makes of it."""
+
+    def __init__(self, log: TraceLog) -> None:
+        self.log = log
+        self._analysis: Analysis | None = None
+
+    # -- the recorded log ---------------------------------------------------------------------------
+    @property
+    def allocations(self) -> list[Allocation]:
+        """Every allocation, in the order made (pre-region storages where first seen)."""
+        return self.log.allocations
+
+    @property
+    def ops(self) -> OpLog:
+        return self.log.ops
+
+    @property
+    def fake(self) -> bool:
+        return self.log.fake
+
+    @property
+    def error(self) -> str | None:
+        return self.log.error
+
+    @property
+    def failed_op(self) -> OpCall | None:
+        return self.log.failed_op
+
+    @property
+    def cuda_max_allocated(self) -> dict[str, int]:
+        return self.log.cuda_max_allocated
+
+    @property
+    def finished(self) -> bool:
+        return self.log.finished
+
+    # -- its analysis -------------------------------------------------------------------------------
+    @property
+    def analysis(self) -> Analysis:
+        """Every derived figure, computed once the region has finished (while it is still recording,
+        a fresh snapshot each time)."""
+        if self._analysis is not None:
+            return self._analysis
+        analysis = analyze(self.log)
+        if self.log.finished:
+            self._analysis = analysis
+        return analysis
+
+    @property
+    def peak(self) -> Peak:
+        return self.analysis.peak
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes above the region's start, on the device with the largest peak."""
+        return self.analysis.peak.bytes
+
+    def peak_bytes_as(self, allocator: str) -> int:
+        """The peak if every block were charged by ``allocator``'s rule, e.g. ``"cuda"`` (512-byte
+        rounding): a GPU prediction from a trace recorded on the CPU or with ``fake=True``."""
+        return self.analysis.peak_as(allocator).bytes
+
+    def peak_bytes_by_device(self) -> dict[str, int]:
+        return {device: peak.bytes for device, peak in self.analysis.peaks.items()}
+
+    def live_at_peak(self) -> list[LineGroup]:
+        """What was alive at the peak, grouped by the source line that made it, largest first."""
+        return list(self.analysis.lines_at_peak)
+
+    def largest_temporaries(self, n: int = 10) -> list[Allocation]:
+        """The n largest allocations made and freed in the same phase, largest first."""
+        return self.analysis.largest_temporaries(n)
+
+    def category(self, allocation: Allocation) -> str:
+        """Why ``allocation`` was alive, from its lifetime (``saved``, ``temporary``, ...)."""
+        return self.analysis.category(allocation).value
+
+    def diagnoses(self) -> list[Diagnosis]:
+        """The "How to cut it" findings, largest saving first."""
+        return list(self.analysis.diagnoses)
+
+    # -- reports --------------------------------------------------------------------------------------
+    def report(self, *, top: int = 5) -> str:
+        """The terminal summary."""
+        return render(self.analysis, top=top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the summary figures first (peak, live set, temporaries, diagnoses), then the
+        raw log that :func:`load` reads back."""
+        raw = serialize.log_to_dict(self.log)
+        return {"schema": raw.pop("schema"), **report_json.summary(self.analysis), **raw}
+
+    def save(self, path: str) -> None:
+        """Write the JSON form to ``path`` atomically."""
+        serialize.save(self.log, path, report_json.summary(self.analysis))
+
+    def __repr__(self) -> str:
+        state = "finished" if self.log.finished else "recording"
+        return f"<memtrim.Trace {state}: {len(self.log.ops)} ops, {len(self.log.allocations)} allocations>"
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+@contextlib.contextmanager
+def track(*, fake: bool = False) -> Iterator[Trace]:
+    """Record every storage the code inside the ``with`` block allocates and frees.
+
+    Yields a :class:`Trace` that is complete when the block exits — also when it exits by an
+    exception (an out-of-memory error, say): the trace then holds everything up to the failure and
+    ``trace.error`` names it.
+
+    ``fake=True`` runs the block under ``FakeTensorMode``: tensors have shapes, dtypes and devices but
+    no data, so a full-size program is measured on a CPU without allocating it. Tensors created before
+    the block are turned into fake ones when used. Code that reads values (``.item()``, printing,
+    data-dependent shapes) cannot run fake.
+
+    >>> import torch, memtrim
+    >>> with memtrim.track() as trace:
+    ...     y = torch.ones(1024)
+    >>> trace.peak_bytes
+    4096
+    """
+    with record(fake=fake) as log:
+        yield Trace(log)
+
+
+def load(path: str) -> Trace:
+    """Read a trace written by :meth:`Trace.save` (JSON only; a bad file raises
+    :class:`~memtrim.trace.TraceFormatError` naming the field)."""
+    return Trace(serialize.load(path))
