@@ -131,7 +131,7 @@ class DrawsNoise(torch.autograd.Function):
         return g
 
 
-def test_phases_forward_inside_custom_functions_other_under_no_grad_and_optimizers() -> None:
+def test_phases_forward_inside_custom_functions_optimizer_and_other_under_no_grad() -> None:
     x = torch.randn(100, requires_grad=True)
     opt = torch.optim.SGD([x], lr=0.1, momentum=0.9)
     with memtrim.track() as trace:
@@ -141,7 +141,7 @@ def test_phases_forward_inside_custom_functions_other_under_no_grad_and_optimize
             evaluation = x * 2
     phases = {a.op: a.phase for a in trace.allocations if not a.preexisting}
     assert phases["aten.rand.default"] == "forward"
-    assert phases["aten.clone.default"] == "other"  # SGD's momentum buffer
+    assert phases["aten.clone.default"] == "optimizer"  # SGD's momentum buffer
     assert [a.phase for a in trace.allocations if a.op == "aten.mul.Tensor"] == ["other"]
     del evaluation
 

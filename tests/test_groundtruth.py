@@ -94,7 +94,7 @@ def test_training_step_with_backward_and_optimizer() -> None:
         opt.zero_grad()
 
     trace = assert_agrees(program)
-    assert {op.phase for op in trace.ops} == {"forward", "backward", "other"}
+    assert {op.phase for op in trace.ops} == {"forward", "backward", "optimizer"}
 
 
 # -- random programs -----------------------------------------------------------------------------

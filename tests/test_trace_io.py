@@ -36,7 +36,7 @@ def test_json_has_the_documented_fields(trace: memtrim.Trace, tmp_path: Path) ->
     path = tmp_path / "trace.json"
     trace.save(str(path))
     data = json.loads(path.read_text())
-    assert data["schema"] == "memtrim.trace/1"
+    assert data["schema"] == "memtrim.trace/2"
     assert data["peak_bytes"] == trace.peak_bytes
     top = data["largest_temporaries"][0]
     assert {"bytes", "op", "shape", "dtype", "phase", "file", "line", "function"} <= set(top)
@@ -48,7 +48,7 @@ def test_save_is_atomic_and_leaves_no_temporary_files(trace: memtrim.Trace, tmp_
     path.write_text("previous contents")
     trace.save(str(path))
     assert sorted(os.listdir(tmp_path)) == ["trace.json"]
-    assert json.loads(path.read_text())["schema"] == "memtrim.trace/1"
+    assert json.loads(path.read_text())["schema"] == "memtrim.trace/2"
 
 
 def test_load_rejects_pickle_and_foreign_json(tmp_path: Path) -> None:
@@ -65,6 +65,6 @@ def test_load_rejects_pickle_and_foreign_json(tmp_path: Path) -> None:
     with pytest.raises(memtrim.TraceFormatError, match="re-record"):
         memtrim.load(str(future))
     truncated = tmp_path / "bad.json"
-    truncated.write_text(json.dumps({"schema": "memtrim.trace/1", "sites": []}))
+    truncated.write_text(json.dumps({"schema": "memtrim.trace/2", "sites": []}))
     with pytest.raises(memtrim.TraceFormatError, match="malformed"):
         memtrim.load(str(truncated))

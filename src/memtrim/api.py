@@ -98,6 +98,20 @@ class Trace:
         """Why ``allocation`` was alive, from its lifetime (``saved``, ``temporary``, ...)."""
         return self.analysis.category(allocation).value
 
+    def role(self, allocation: Allocation) -> str:
+        """What ``allocation`` is for (``parameter``, ``gradient``, ``optimizer_state``, ``activation``,
+        ``temporary``, ...)."""
+        return self.analysis.role(allocation).value
+
+    def breakdown_at_peak(self) -> dict[str, int]:
+        """Bytes by role alive at the peak, made in the region (``trace.analysis.breakdown_at_peak``
+        also has what existed before the region)."""
+        return {role.value: n for role, n in self.analysis.breakdown_at_peak.made.items()}
+
+    def alive_at(self, tick: int) -> list[Allocation]:
+        """Allocations made inside the region and alive just after ``tick`` (an op's or event's tick)."""
+        return self.analysis.alive_at(tick)
+
     def diagnoses(self) -> list[Diagnosis]:
         """The "How to cut it" findings, largest saving first."""
         return list(self.analysis.diagnoses)

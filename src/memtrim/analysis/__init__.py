@@ -1,18 +1,21 @@
 """The analysis stage: one :class:`Analysis` per trace log (peaks, live sets, categories, temporaries,
 what-if, diagnoses), computed once."""
 
-from memtrim.analysis.analysis import Analysis, LineGroup, analyze, group_by_line
+from memtrim.analysis.analysis import Analysis, Breakdown, LineGroup, analyze, group_by_line
 from memtrim.analysis.categories import CATEGORY_RULES, Category, categorize
 from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, diagnose
 from memtrim.analysis.footprint import Footprint, peak_change
+from memtrim.analysis.roles import ROLE_RULES, Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, sweep
 from memtrim.analysis.whatif import Added, Edits, replay
 
 __all__ = [
     "CATEGORY_RULES",
     "DIAGNOSES",
+    "ROLE_RULES",
     "Added",
     "Analysis",
+    "Breakdown",
     "Category",
     "Diagnosis",
     "Edits",
@@ -20,11 +23,13 @@ __all__ = [
     "LineGroup",
     "LiveCurve",
     "Peak",
+    "Role",
     "analyze",
     "categorize",
     "diagnose",
     "group_by_line",
     "peak_change",
     "replay",
+    "role_of",
     "sweep",
 ]

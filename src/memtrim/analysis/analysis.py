@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from memtrim.analysis.categories import Category, categorize
 from memtrim.analysis.diagnoses import Diagnosis, diagnose
+from memtrim.analysis.roles import Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
 from memtrim.trace.model import Allocation, Phase, Site, TraceLog
@@ -58,11 +59,38 @@ def group_by_line(allocations: Iterable[Allocation], categories: tuple[Category,
 
 
 @dataclass(frozen=True)
+class Breakdown:
+    """Bytes by role alive at one moment on one device.
+
+    ``made`` counts what the region allocated; ``preexisting`` what existed before it and was still
+    alive (a model built before ``track()``: its weights are ``parameter`` bytes here);
+    ``preexisting_freed`` the pre-region bytes freed inside the region by then. The live curve above
+    the region's start at that moment is ``sum(made) - preexisting_freed``.
+    """
+
+    tick: int | None
+    device: str | None
+    made: Mapping[Role, int]
+    preexisting: Mapping[Role, int]
+    preexisting_freed: int
+
+    @property
+    def above_start(self) -> int:
+        return sum(self.made.values()) - self.preexisting_freed
+
+    def total(self, role: Role) -> int:
+        """Bytes of ``role`` alive then, made in the region or before it."""
+        return self.made.get(role, 0) + self.preexisting.get(role, 0)
+
+
+@dataclass(frozen=True)
 class Analysis:
     """Everything memtrim derives from one finished trace log. Build it with :func:`analyze`."""
 
     log: TraceLog
     categories: tuple[Category, ...]
+    """Indexed by allocation id."""
+    roles: tuple[Role, ...]
     """Indexed by allocation id."""
     curves: Mapping[str, LiveCurve]
     """Per device, the one sweep every figure below is read from."""
@@ -85,6 +113,61 @@ class Analysis:
 
     def category(self, allocation: Allocation) -> Category:
         return self.categories[allocation.id]
+
+    def role(self, allocation: Allocation) -> Role:
+        return self.roles[allocation.id]
+
+    def breakdown_at(self, tick: int, device: str | None = None) -> Breakdown:
+        """Bytes by role alive just after ``tick`` on ``device`` (default: the headline peak's)."""
+        device = device or self.peak.device
+        made: dict[Role, int] = {}
+        before: dict[Role, int] = {}
+        freed = 0
+        for a in self.log.allocations:
+            if a.device != device:
+                continue
+            gone = a.free_tick is not None and a.free_tick <= tick
+            if a.preexisting:
+                if gone:
+                    freed += a.bytes
+                else:
+                    role = self.roles[a.id]
+                    before[role] = before.get(role, 0) + a.bytes
+            elif a.alloc_tick <= tick and not gone:
+                role = self.roles[a.id]
+                made[role] = made.get(role, 0) + a.bytes
+        order = {role: i for i, role in enumerate(Role)}
+        return Breakdown(
+            tick,
+            device,
+            dict(sorted(made.items(), key=lambda kv: order[kv[0]])),
+            dict(sorted(before.items(), key=lambda kv: order[kv[0]])),
+            freed,
+        )
+
+    @functools.cached_property
+    def breakdown_at_peak(self) -> Breakdown:
+        if self.peak.tick is None:
+            return Breakdown(None, self.peak.device, {}, {}, 0)
+        return self.breakdown_at(self.peak.tick)
+
+    @functools.cached_property
+    def phase_ends(self) -> dict[Phase, int]:
+        """For each phase that ran: the last tick before the first op that followed its last op (the
+        region's end if none did). Frees between its last op and the next op belong to it."""
+        rows = self.log.ops.rows
+        last: dict[Phase, int] = {}
+        for i, row in enumerate(rows):
+            last[row.phase] = i
+        ends = {}
+        for phase, i in last.items():
+            following = next((r.tick for r in rows[i + 1 :] if r.phase is not phase), None)
+            ends[phase] = (following if following is not None else self.log.end_tick) - 1
+        return {phase: ends[phase] for phase in Phase if phase in ends}
+
+    @functools.cached_property
+    def breakdown_at_phase_end(self) -> dict[Phase, Breakdown]:
+        return {phase: self.breakdown_at(tick) for phase, tick in self.phase_ends.items()}
 
     def largest_temporaries(self, n: int = 10) -> list[Allocation]:
         return list(self.temporaries[: max(n, 0)])
@@ -132,6 +215,7 @@ def analyze(log: TraceLog) -> Analysis:
     """Compute every derived figure of ``log`` once."""
     allocations = log.allocations
     categories = tuple(categorize(a) for a in allocations)
+    roles = tuple(role_of(a, c) for a, c in zip(allocations, categories, strict=True))
     devices = sorted({a.device for a in allocations})
     curves = {device: sweep(allocations, device) for device in devices}
     peaks = {device: peak_of(curve, allocations, log.ops) for device, curve in curves.items()}
@@ -148,6 +232,7 @@ def analyze(log: TraceLog) -> Analysis:
     return Analysis(
         log=log,
         categories=categories,
+        roles=roles,
         curves=curves,
         peaks=peaks,
         peak=peak,

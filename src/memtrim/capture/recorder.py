@@ -37,7 +37,7 @@ _current_graph_task_id = torch._C._current_graph_task_id
 _user_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CustomFunctionNode = torch.autograd.function.BackwardCFunction
 _ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
-_FORWARD, _BACKWARD, _OTHER = Phase.FORWARD, Phase.BACKWARD, Phase.OTHER
+_FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER
 # Rows are named tuples built by tuple.__new__ (a C call; a NamedTuple's own __new__ is Python code).
 _row = tuple.__new__
 
@@ -225,7 +225,7 @@ class Recorder(TorchDispatchMode):
             if between == ENGINE:
                 phase = _BACKWARD
             elif between == OPTIMIZER:
-                phase = _OTHER
+                phase = _OPTIMIZER
             elif grad_enabled or inside_function_forward(caller):
                 phase = _FORWARD  # grad mode is off inside a custom Function's forward
             else:

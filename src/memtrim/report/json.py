@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak
+from memtrim.analysis import Analysis, Breakdown, Diagnosis, LineGroup, Peak
 from memtrim.trace.model import Allocation
 
 
@@ -18,6 +18,7 @@ def allocation_json(analysis: Analysis, a: Allocation) -> dict[str, Any]:
         "dtype": a.dtype,
         "device": a.device,
         "phase": a.phase.value,
+        "role": analysis.role(a).value,
         "category": analysis.category(a).value,
         "file": a.file,
         "line": a.line,
@@ -76,6 +77,17 @@ def diagnosis_json(d: Diagnosis) -> dict[str, Any]:
     }
 
 
+def breakdown_json(b: Breakdown) -> dict[str, Any]:
+    """``{"made": {role: bytes}, "preexisting": {role: bytes}, "preexisting_freed": bytes, "tick": t}``."""
+    return {
+        "tick": b.tick,
+        "device": b.device,
+        "made": {role.value: n for role, n in b.made.items()},
+        "preexisting": {role.value: n for role, n in b.preexisting.items()},
+        "preexisting_freed": b.preexisting_freed,
+    }
+
+
 def summary(analysis: Analysis, *, rows: int = 20) -> dict[str, Any]:
     """The derived figures, ``rows`` per list."""
     return {
@@ -83,6 +95,14 @@ def summary(analysis: Analysis, *, rows: int = 20) -> dict[str, Any]:
         "peak": peak_json(analysis.peak),
         "peak_bytes_by_device": {device: p.bytes for device, p in analysis.peaks.items()},
         "peak_by_phase": {phase.value: n for phase, n in analysis.peak_by_phase.items()},
+        # bytes by role alive at the peak, made in the region: they sum to the peak, less any
+        # pre-region bytes freed before it (``preexisting_freed_at_peak``)
+        "breakdown_at_peak": {role.value: n for role, n in analysis.breakdown_at_peak.made.items()},
+        "preexisting_at_peak": {role.value: n for role, n in analysis.breakdown_at_peak.preexisting.items()},
+        "preexisting_freed_at_peak": analysis.breakdown_at_peak.preexisting_freed,
+        "breakdown_at_phase_end": {
+            phase.value: breakdown_json(b) for phase, b in analysis.breakdown_at_phase_end.items()
+        },
         "live_at_peak": [line_group_json(g) for g in analysis.lines_at_peak[:rows]],
         "largest_temporaries": [allocation_json(analysis, a) for a in analysis.largest_temporaries(rows)],
         "diagnoses": [diagnosis_json(d) for d in analysis.diagnoses],

@@ -47,6 +47,27 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
             f"  torch.cuda.max_memory_allocated over the region on {safe(device)}: {format_bytes(measured)}"
         )
 
+    breakdown = analysis.breakdown_at_peak
+    if breakdown.made or breakdown.preexisting:
+        out.append("")
+        out.append("At the peak, by role:")
+        rows = [["role", "made in region", "from before", "total"]]
+        for role in dict.fromkeys([*breakdown.made, *breakdown.preexisting]):
+            made, before = breakdown.made.get(role, 0), breakdown.preexisting.get(role, 0)
+            rows.append(
+                [
+                    str(role),
+                    format_bytes(made) if made else "-",
+                    format_bytes(before) if before else "-",
+                    format_bytes(made + before),
+                ]
+            )
+        out.extend(_table(rows, right={1, 2, 3}))
+        if breakdown.preexisting_freed:
+            out.append(
+                f"  (pre-region tensors freed before the peak: {format_bytes(breakdown.preexisting_freed)})"
+            )
+
     groups = analysis.lines_at_peak[:top]
     if groups:
         out.append("")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, overload
 
-SCHEMA = "memtrim.trace/1"
+SCHEMA = "memtrim.trace/2"
+"""What :func:`~memtrim.trace.save` writes. /2 adds allocation facts and regions to /1, which loads too."""
 
 
 class Phase(str, Enum):
@@ -30,11 +31,40 @@ class Phase(str, Enum):
     """Grad mode on, or inside a custom ``autograd.Function.forward``."""
     BACKWARD = "backward"
     """Run by the autograd engine (built-in nodes, custom ``Function.backward``, the seed gradient)."""
+    OPTIMIZER = "optimizer"
+    """Inside a ``torch.optim`` optimizer (``step``, ``zero_grad``)."""
     OTHER = "other"
-    """``no_grad``/``inference_mode`` code and ``torch.optim`` steps."""
+    """``no_grad``/``inference_mode`` code outside an optimizer."""
 
     def __str__(self) -> str:
         return self.value
+
+
+class Fact(str, Enum):
+    """What the recorder saw a storage used as, beyond the op that made it. Roles are decided from
+    these (:mod:`memtrim.analysis.roles`); an allocation can have several."""
+
+    PARAMETER = "parameter"
+    """Held by an ``nn.Parameter``, or by a leaf tensor that requires grad."""
+    GRADIENT = "gradient"
+    """Held as a leaf's ``.grad``, or made by autograd's gradient accumulation."""
+    OPTIMIZER_STATE = "optimizer_state"
+    """Held in a ``torch.optim.Optimizer``'s ``state``."""
+    BUFFER = "buffer"
+    """Held by an ``nn.Module`` buffer."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A named span of the recorded timeline (``memtrim.region("step")``); ``end_tick`` is None while
+    it is open (or when the program stopped inside it)."""
+
+    name: str
+    start_tick: int
+    end_tick: int | None = None
 
 
 PRE_REGION_OP = "(before the region)"
@@ -190,6 +220,7 @@ class Allocation:
     module: str | None = None
     saved: bool = False
     preexisting: bool = False
+    facts: frozenset[Fact] = frozenset()
 
     @property
     def file(self) -> str | None:
@@ -220,16 +251,20 @@ class AllocationLog:
     row's op number, and dtypes, devices and shapes are kept as torch gave them until then.
     """
 
-    __slots__ = ("frees", "rows", "saved")
+    __slots__ = ("facts", "frees", "rows", "saved")
 
     def __init__(self) -> None:
         self.rows: list[AllocRow] = []
         self.frees: dict[int, FreeRow] = {}
         self.saved: set[int] = set()
+        self.facts: dict[int, set[Fact]] = {}
+
+    def add_fact(self, row: int, fact: Fact) -> None:
+        self.facts.setdefault(row, set()).add(fact)
 
     def materialize(self, ops: OpLog) -> list[Allocation]:
         op_rows = ops.rows
-        frees, saved = self.frees, self.saved
+        frees, saved, facts = self.frees, self.saved, self.facts
         allocations = []
         for i, row in enumerate(self.rows):
             free = frees.get(i)
@@ -255,6 +290,7 @@ class AllocationLog:
                     module=module,
                     saved=row.seq >= 0 and i in saved,
                     preexisting=row.seq < 0,
+                    facts=frozenset(facts[i]) if i in facts else frozenset(),
                 )
             )
         return allocations
@@ -277,6 +313,8 @@ class TraceLog:
     finished: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON facts about the run (rank, world size, torch version, ...)."""
+    regions: list[Region] = field(default_factory=list)
+    """Named spans marked inside the region, in the order opened."""
     recorded: AllocationLog | None = None
     """Set by the recorder; read into :attr:`allocations`."""
     _allocations: list[Allocation] = field(default_factory=list, repr=False)

@@ -13,9 +13,9 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from memtrim.trace.model import SCHEMA, Allocation, OpCall, OpLog, OpRow, Phase, Site, TraceLog
+from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
 
-READABLE_SCHEMAS = (SCHEMA,)
+READABLE_SCHEMAS = ("memtrim.trace/1", SCHEMA)
 
 OP_COLUMNS = ["seq", "tick", "op", "phase", "site", "node", "module"]
 
@@ -92,9 +92,11 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
                 "module": a.module,
                 "saved": a.saved,
                 "preexisting": a.preexisting,
+                "facts": sorted(f.value for f in a.facts),
             }
             for a in log.allocations
         ],
+        "regions": [[r.name, r.start_tick, r.end_tick] for r in log.regions],
     }
 
 
@@ -132,6 +134,13 @@ def _phase(value: Any, where: str) -> Phase:
         return Phase(value)
     except ValueError:
         raise _fail(where, "one of " + ", ".join(repr(p.value) for p in Phase), value) from None
+
+
+def _fact(value: Any, where: str) -> Fact:
+    try:
+        return Fact(value)
+    except ValueError:
+        raise _fail(where, "one of " + ", ".join(repr(f.value) for f in Fact), value) from None
 
 
 def _optional(check: Callable[[Any, str], T], value: Any, where: str) -> T | None:
@@ -226,6 +235,10 @@ def log_from_dict(data: Any) -> TraceLog:
                 module=_optional(_str, f("module"), where + ".module"),
                 saved=_bool(f("saved"), where + ".saved"),
                 preexisting=preexisting,
+                facts=frozenset(
+                    _fact(x, f"{where}.facts[{j}]")
+                    for j, x in enumerate(_list(a.get("facts", []), where + ".facts"))
+                ),
             )
         )
         if (allocations[-1].free_tick is None) != (allocations[-1].free_phase is None):
@@ -237,6 +250,18 @@ def log_from_dict(data: Any) -> TraceLog:
     metadata = data.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _fail("metadata", "an object", metadata)
+    regions = []
+    for i, row in enumerate(_list(data.get("regions", []), "regions")):
+        where = f"regions[{i}]"
+        if not isinstance(row, list) or len(row) != 3:
+            raise _fail(where, "[name, start_tick, end_tick]", row)
+        regions.append(
+            Region(
+                _str(row[0], where + " name"),
+                _int(row[1], where + " start_tick"),
+                _optional(_int, row[2], where + " end_tick"),
+            )
+        )
     failed = get("failed_op")
     return TraceLog.of(
         allocations,
@@ -249,6 +274,7 @@ def log_from_dict(data: Any) -> TraceLog:
             _str(k, "cuda_max_allocated key"): _int(v, f"cuda_max_allocated[{k!r}]") for k, v in cuda.items()
         },
         metadata=metadata,
+        regions=regions,
     )
 
 

@@ -1,0 +1,99 @@
+"""What each allocation is *for* — weights, gradients, optimizer state, activations, temporaries — decided
+from what the recorder saw it used as (:class:`~memtrim.trace.Fact`), then from its lifetime.
+
+A registry of small rules tried in order, first match wins; an allocation no rule claims is ``other``.
+Roles answer the first question a user asks ("how much is weights, gradients, optimizer state,
+activations and temporaries?"); categories (:mod:`memtrim.analysis.categories`) keep the lifetime view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+from memtrim.analysis.categories import Category
+from memtrim.registry import Registry
+from memtrim.trace.model import Allocation, Fact
+
+
+class Role(str, Enum):
+    """What an allocation is for."""
+
+    PARAMETER = "parameter"
+    """An ``nn.Parameter``, or a leaf tensor that requires grad."""
+    GRADIENT = "gradient"
+    """A leaf's ``.grad`` (what autograd accumulates into it)."""
+    OPTIMIZER_STATE = "optimizer_state"
+    """Held in an optimizer's ``state`` (Adam's ``exp_avg``, a momentum buffer, ``step``)."""
+    ACTIVATION = "activation"
+    """Saved by autograd for backward."""
+    BUFFER = "buffer"
+    """An ``nn.Module`` buffer (running statistics, masks)."""
+    TEMPORARY = "temporary"
+    """Made and freed within one phase, and none of the above."""
+    INPUT = "input"
+    """Existed before the region (data, or anything else the region was handed)."""
+    OUTPUT = "output"
+    """Made in the region and still alive at its end."""
+    OTHER = "other"
+    """None of the above: outlived its phase, freed before the end."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RoleRule = Callable[[Allocation, Category], "Role | None"]
+
+ROLE_RULES: Registry[str, RoleRule] = Registry(
+    "role rule", "memtrim.analysis.roles.ROLE_RULES.register(name)"
+)
+"""Tried in registration order; the first rule that answers decides. Unanswered: ``other``."""
+
+
+def _fact_rule(fact: Fact, role: Role) -> RoleRule:
+    def rule(a: Allocation, _: Category) -> Role | None:
+        return role if fact in a.facts else None
+
+    rule.__qualname__ = f"fact_rule[{fact.value}]"
+    return rule
+
+
+# What the recorder saw beats lifetime: a gradient alive at the end is a gradient, not an output.
+ROLE_RULES.register("parameter")(_fact_rule(Fact.PARAMETER, Role.PARAMETER))
+ROLE_RULES.register("gradient")(_fact_rule(Fact.GRADIENT, Role.GRADIENT))
+ROLE_RULES.register("optimizer_state")(_fact_rule(Fact.OPTIMIZER_STATE, Role.OPTIMIZER_STATE))
+ROLE_RULES.register("buffer")(_fact_rule(Fact.BUFFER, Role.BUFFER))
+
+
+@ROLE_RULES.register("activation")
+def _activation(a: Allocation, category: Category) -> Role | None:
+    return Role.ACTIVATION if category is Category.SAVED else None
+
+
+@ROLE_RULES.register("gradient-by-lifetime")
+def _gradient_by_lifetime(a: Allocation, category: Category) -> Role | None:
+    # made in backward and alive after it: a gradient, also where no .grad was seen to hold it
+    return Role.GRADIENT if category is Category.GRADIENT else None
+
+
+@ROLE_RULES.register("input")
+def _input(a: Allocation, category: Category) -> Role | None:
+    return Role.INPUT if a.preexisting else None
+
+
+@ROLE_RULES.register("temporary")
+def _temporary(a: Allocation, category: Category) -> Role | None:
+    return Role.TEMPORARY if category is Category.TEMPORARY else None
+
+
+@ROLE_RULES.register("output")
+def _output(a: Allocation, category: Category) -> Role | None:
+    return Role.OUTPUT if a.free_tick is None else None
+
+
+def role_of(a: Allocation, category: Category) -> Role:
+    for rule in ROLE_RULES.values():
+        found = rule(a, category)
+        if found is not None:
+            return found
+    return Role.OTHER

@@ -1,0 +1,100 @@
+"""The pipeline's import rules (docs/ARCHITECTURE.md), checked on the source: data flows one way.
+
+trace imports nothing of memtrim; capture -> trace; analysis -> trace; report -> analysis, trace;
+verify/bench/fixes -> capture, analysis, report, trace; api, cases, cli and the package itself on
+top. ``memtrim.registry`` and ``memtrim.units`` are leaves any stage may import. Every import counts,
+also one inside a function or under ``TYPE_CHECKING``: a lazy import is still an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import memtrim
+
+SRC = Path(memtrim.__file__).parent
+LEAVES = {"registry", "units"}
+LOWER = {"trace", "capture", "analysis", "report"}
+ALLOWED: dict[str, set[str]] = {
+    "trace": set(),
+    "capture": {"trace"},
+    "analysis": {"trace"},
+    "report": {"analysis", "trace"},
+    "verify": LOWER,
+    "bench": LOWER,
+    "fixes": LOWER,
+}
+TOP = {"api", "cases", "cli", "__init__", "__main__"}
+
+
+def _stage(path: Path) -> str:
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every ``import memtrim...`` / ``from memtrim... import`` in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            # relative: resolve against the file's package
+            package = path.relative_to(SRC).parent.parts
+            base = package[: len(package) - node.level + 1]
+            found.append((node.lineno, ".".join(("memtrim", *base, *(node.module or "").split(".")))))
+    return [(line, name) for line, name in found if name == "memtrim" or name.startswith("memtrim.")]
+
+
+def _edges() -> list[tuple[str, int, str, str]]:
+    edges = []
+    for path in sorted(SRC.rglob("*.py")):
+        stage = _stage(path)
+        for line, module in _imports(path):
+            parts = module.split(".")
+            target = parts[1] if len(parts) > 1 else "__init__"
+            edges.append((str(path.relative_to(SRC)), line, stage, target))
+    return edges
+
+
+def test_every_import_follows_the_pipeline() -> None:
+    wrong = []
+    for where, line, stage, target in _edges():
+        if stage in TOP or target == stage:
+            continue
+        if target in LEAVES:
+            if stage in LEAVES:
+                wrong.append(f"{where}:{line}: leaf {stage} imports memtrim.{target}")
+            continue
+        if stage in LEAVES or target not in ALLOWED.get(stage, set()):
+            wrong.append(f"{where}:{line}: {stage} imports memtrim.{target}")
+    assert not wrong, "imports that run against the pipeline:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_function_local_and_type_checking_imports(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from memtrim.analysis import Analysis\n"
+        "def f():\n    import memtrim.report.terminal\n"
+    )
+    assert [name for _, name in _imports(probe)] == ["memtrim.analysis", "memtrim.report.terminal"]
+
+
+def test_every_stage_is_known() -> None:
+    stages = {_stage(p) for p in SRC.rglob("*.py")}
+    unknown = stages - set(ALLOWED) - TOP - LEAVES
+    assert not unknown, f"add {sorted(unknown)} to ALLOWED here and to docs/ARCHITECTURE.md"
+
+
+@pytest.mark.parametrize("name", ["verify", "bench"])
+def test_subpackages_are_not_shadowed_by_functions(name: str) -> None:
+    import importlib
+
+    package = importlib.import_module(f"memtrim.{name}")
+    assert getattr(memtrim, name, package) is package
