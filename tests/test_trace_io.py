@@ -68,3 +68,93 @@ def test_load_rejects_pickle_and_foreign_json(tmp_path: Path) -> None:
     truncated.write_text(json.dumps({"schema": "memtrim.trace/2", "sites": []}))
     with pytest.raises(memtrim.TraceFormatError, match="malformed"):
         memtrim.load(str(truncated))
+
+
+def _saved_dict(trace: memtrim.Trace, tmp_path: Path) -> dict:
+    path = tmp_path / "t.json"
+    trace.save(str(path))
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("alloc_tick", None, r"allocations\[0\]\.alloc_tick should be an integer"),
+        ("bytes", "12", r"allocations\[0\]\.bytes should be an integer"),
+        ("bytes", 10**400, r"allocations\[0\]\.bytes should be an integer from 0 to 2\*\*62"),
+        ("bytes", 2**70, r"allocations\[0\]\.bytes should be an integer from 0 to 2\*\*62"),
+        ("bytes", -5, r"allocations\[0\]\.bytes should be an integer from 0"),
+        ("bytes", 12.0, r"allocations\[0\]\.bytes should be an integer"),
+        ("bytes", True, r"allocations\[0\]\.bytes should be an integer"),
+        ("phase", "sideways", r"allocations\[0\]\.phase should be one of 'forward', 'backward'"),
+        ("shape", "4x4", r"allocations\[0\]\.shape should be a list"),
+        ("site", 10**6, r"allocations\[0\]\.site should be a site number below"),
+        ("facts", ["weights"], r"allocations\[0\]\.facts\[0\] should be one of 'parameter'"),
+    ],
+)
+def test_wrong_field_types_are_one_clear_error_naming_the_field(
+    trace: memtrim.Trace, tmp_path: Path, field: str, value: object, message: str
+) -> None:
+    data = _saved_dict(trace, tmp_path)
+    data["allocations"][0][field] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(memtrim.TraceFormatError, match=message):
+        memtrim.load(str(bad))
+
+
+def test_nan_and_infinity_are_refused(trace: memtrim.Trace, tmp_path: Path) -> None:
+    text = json.dumps(_saved_dict(trace, tmp_path))
+    first = text.index('"bytes": ') + len('"bytes": ')
+    end = text.index(",", first)
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        bad = tmp_path / "nan.json"
+        bad.write_text(text[:first] + constant + text[end:])
+        with pytest.raises(memtrim.TraceFormatError, match=f"{constant} is not a number a trace can hold"):
+            memtrim.load(str(bad))
+
+
+def test_saved_files_honour_the_umask_like_open(trace: memtrim.Trace, tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        trace.save(str(tmp_path / "a.json"))
+        with open(tmp_path / "b.json", "w") as handle:
+            handle.write("{}")
+    finally:
+        os.umask(old)
+    assert (
+        (tmp_path / "a.json").stat().st_mode & 0o777 == (tmp_path / "b.json").stat().st_mode & 0o777 == 0o644
+    )
+    os.chmod(tmp_path / "a.json", 0o600)  # an existing file keeps its permissions
+    trace.save(str(tmp_path / "a.json"))
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_unwritable_paths_are_found_before_a_run(tmp_path: Path) -> None:
+    from memtrim.trace import check_writable
+
+    check_writable(str(tmp_path / "new.json"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_writable(str(tmp_path / "missing" / "t.json"))
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        check_writable(str(tmp_path))
+
+
+def test_control_sequences_in_a_trace_never_reach_the_terminal(
+    trace: memtrim.Trace, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memtrim.cli import main
+
+    data = _saved_dict(trace, tmp_path)
+    data["sites"] = [["\x1b]0;owned\x07evil.py", line, "f\x1b[2J\u202e"] for _, line, _ in data["sites"]]
+    for row in data["ops"]:
+        row[2] = "aten.mul\x1b[31m"
+    for a in data["allocations"]:
+        a["op"] = "aten.mul\x1b[31m"
+    data["error"] = "RuntimeError: \x1b[2Jboom\r"
+    bad = tmp_path / "evil.json"
+    bad.write_text(json.dumps(data))
+    assert main(["show", str(bad)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out and "\r" not in out
+    assert "\\x1b]0;owned\\x07evil.py" in out and "\\u202e" in out

@@ -20,6 +20,7 @@ fixed-order reduction (all_gather, then sum in rank order) to stay equal.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import time
@@ -121,6 +122,12 @@ def _optimizer(quants: dict[str, GumbelQuantizer2Bit], cfg: TrainConfig) -> torc
     if cfg.optimizer == "lion":
         return Lion(groups)
     return torch.optim.Adam(groups)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's data in memory order, without numpy (not a run-time dependency of memtrim)."""
+    t = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _linear(step: int, steps: int, start: float, end: float) -> float:
@@ -232,7 +239,7 @@ def _run(cfg: TrainConfig, rank: int, world_size: int, export: str | None) -> di
     hard = {name: q.hard_weights() for name, q in quants.items()}
     digest = hashlib.sha256()
     for name in LAYERS:
-        digest.update(hard[name].contiguous().numpy().tobytes())
+        digest.update(_tensor_bytes(hard[name]))
     if export is not None and rank == 0:
         _export(export, quants, cfg)
     target_power = float(target.square().mean())
