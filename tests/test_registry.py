@@ -31,7 +31,8 @@ def test_a_miss_names_the_valid_keys_and_how_to_add_one() -> None:
     with pytest.raises(UnknownKey) as info:
         rules["mps"]
     assert str(info.value) == (
-        "no charge rule is registered for 'mps'; valid: 'cuda', 'xpu' (add one with CHARGE_RULES.register(device_type))"
+        "no charge rule is registered for 'mps'; valid: 'cuda', 'xpu' "
+        "(add one with CHARGE_RULES.register(device_type))"
     )
     assert rules.get("mps") is None and rules.get("mps", 7) == 7
     assert isinstance(info.value, KeyError)
