@@ -211,3 +211,39 @@ def test_terminal_report_escapes_control_characters_from_the_trace() -> None:
 
 def test_an_empty_trace_says_so() -> None:
     assert render(analyze(TraceBuilder().build())) == "memtrim: no allocations inside the region"
+
+
+def test_post_mortem_shows_what_was_alive_at_the_failure_not_at_the_peak() -> None:
+    b = TraceBuilder()
+    b.op("aten.empty.memory_format", line=2)
+    early = b.alloc(1024 * KiB)  # the earlier peak, freed long before the failure
+    b.free(early)
+    b.op("aten.mm.default", line=5)
+    kept = b.alloc(64 * KiB)
+    failing = b.op("aten.mm.default", phase=Phase.BACKWARD, line=5, node="MmBackward0")
+    error = "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes."
+    log = b.build(error=error)
+    log.failed_op = log.ops[failing]
+    analysis = analyze(log)
+    failure = analysis.failure
+    assert failure is not None and failure.requested_bytes == 1048576
+    assert failure.live_bytes == 64 * KiB and analysis.peak.bytes == 1024 * KiB
+    assert [g.bytes for g in failure.lines] == [64 * KiB]
+    text = render(analysis)
+    assert text.splitlines()[:3] == [
+        f"memtrim: the region stopped with {error}",
+        "  failing op: aten.mm.default in backward at prog.py:5 in <module> (it asked for 1 MiB)",
+        "  alive at the failure: 64 KiB above the region's start",
+    ]
+    assert text.index("Alive at the failure, by source line:") < text.index("the peak was 1 MiB")
+    assert analysis.allocations[kept].alive_at(failure.tick)
+
+
+def test_cuda_out_of_memory_messages_give_the_requested_bytes() -> None:
+    from memtrim.analysis.failure import requested_bytes
+
+    cuda = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity"
+    )
+    assert requested_bytes(cuda) == 20 * 2**20
+    assert requested_bytes("ValueError: shapes do not match") is None

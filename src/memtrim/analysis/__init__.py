@@ -1,7 +1,7 @@
 """The analysis stage: one :class:`Analysis` per trace log (peaks, live sets, categories, temporaries,
 what-if, diagnoses), computed once."""
 
-from memtrim.analysis.analysis import Analysis, Breakdown, LineGroup, analyze, group_by_line
+from memtrim.analysis.analysis import Analysis, Breakdown, Failure, LineGroup, analyze, group_by_line
 from memtrim.analysis.categories import CATEGORY_RULES, Category, categorize
 from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, diagnose
 from memtrim.analysis.footprint import Footprint, peak_change
@@ -19,6 +19,7 @@ __all__ = [
     "Category",
     "Diagnosis",
     "Edits",
+    "Failure",
     "Footprint",
     "LineGroup",
     "LiveCurve",

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from memtrim.analysis.categories import Category, categorize
 from memtrim.analysis.diagnoses import Diagnosis, diagnose
+from memtrim.analysis.failure import requested_bytes
 from memtrim.analysis.roles import Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
-from memtrim.trace.model import Allocation, Phase, Site, TraceLog
+from memtrim.trace.model import Allocation, OpCall, Phase, Site, TraceLog
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,22 @@ class Breakdown:
     def total(self, role: Role) -> int:
         """Bytes of ``role`` alive then, made in the region or before it."""
         return self.made.get(role, 0) + self.preexisting.get(role, 0)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where a region that ended with an exception stopped, and what was alive then."""
+
+    error: str
+    tick: int
+    """Just before the failing op's outputs (or the region's end when no op failed)."""
+    op: OpCall | None
+    requested_bytes: int | None
+    """What the failed allocation asked for, when the error message says so."""
+    live_bytes: int
+    """Live bytes above the region's start on the peak's device at that moment."""
+    lines: tuple[LineGroup, ...]
+    breakdown: Breakdown
 
 
 @dataclass(frozen=True)
@@ -150,6 +167,25 @@ class Analysis:
         if self.peak.tick is None:
             return Breakdown(None, self.peak.device, {}, {}, 0)
         return self.breakdown_at(self.peak.tick)
+
+    @functools.cached_property
+    def failure(self) -> Failure | None:
+        """The post-mortem, when the region ended with an exception."""
+        log = self.log
+        if not log.error:
+            return None
+        op = log.failed_op
+        tick = op.tick if op is not None else log.end_tick - 1
+        device = self.peak.device
+        return Failure(
+            error=log.error,
+            tick=tick,
+            op=op,
+            requested_bytes=requested_bytes(log.error),
+            live_bytes=self.curve(device).live_after(tick),
+            lines=tuple(self.lines_alive_at(tick, device)),
+            breakdown=self.breakdown_at(tick, device),
+        )
 
     @functools.cached_property
     def phase_ends(self) -> dict[Phase, int]:

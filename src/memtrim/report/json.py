@@ -106,4 +106,25 @@ def summary(analysis: Analysis, *, rows: int = 20) -> dict[str, Any]:
         "live_at_peak": [line_group_json(g) for g in analysis.lines_at_peak[:rows]],
         "largest_temporaries": [allocation_json(analysis, a) for a in analysis.largest_temporaries(rows)],
         "diagnoses": [diagnosis_json(d) for d in analysis.diagnoses],
+        "alive_at_failure": failure_json(analysis),
+    }
+
+
+def failure_json(analysis: Analysis, *, rows: int = 20) -> dict[str, Any] | None:
+    """The post-mortem, or None when the region did not fail."""
+    f = analysis.failure
+    if f is None:
+        return None
+    return {
+        "error": f.error,
+        "tick": f.tick,
+        "op": None if f.op is None else f.op.op,
+        "phase": None if f.op is None else f.op.phase.value,
+        "file": None if f.op is None or f.op.site is None else f.op.site.file,
+        "line": None if f.op is None or f.op.site is None else f.op.site.line,
+        "function": None if f.op is None or f.op.site is None else f.op.site.function,
+        "requested_bytes": f.requested_bytes,
+        "live_bytes": f.live_bytes,
+        "by_role": breakdown_json(f.breakdown),
+        "by_line": [line_group_json(g) for g in f.lines[:rows]],
     }

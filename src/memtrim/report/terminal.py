@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memtrim.analysis import Analysis
+from memtrim.analysis import Analysis, Breakdown, LineGroup
 from memtrim.report.escape import safe
 from memtrim.trace.model import Site, shape_text, site_text
 from memtrim.units import format_bytes
@@ -22,24 +22,72 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     return lines
 
 
+def _roles(title: str, breakdown: Breakdown) -> list[str]:
+    if not (breakdown.made or breakdown.preexisting):
+        return []
+    rows = [["role", "made in region", "from before", "total"]]
+    for role in dict.fromkeys([*breakdown.made, *breakdown.preexisting]):
+        made, before = breakdown.made.get(role, 0), breakdown.preexisting.get(role, 0)
+        rows.append(
+            [
+                str(role),
+                format_bytes(made) if made else "-",
+                format_bytes(before) if before else "-",
+                format_bytes(made + before),
+            ]
+        )
+    out = ["", title, *_table(rows, right={1, 2, 3})]
+    if breakdown.preexisting_freed:
+        out.append(f"  (pre-region tensors freed by then: {format_bytes(breakdown.preexisting_freed)})")
+    return out
+
+
+def _lines(title: str, groups: tuple[LineGroup, ...], total: int, top: int) -> list[str]:
+    if not groups[:top]:
+        return []
+    rows = [["bytes", "share", "what", "line"]]
+    for g in groups[:top]:
+        what = ", ".join(f"{cat} {format_bytes(b)}" for cat, b in g.categories.items())
+        share = f"{100 * g.bytes / total:.0f}%" if total > 0 else "-"
+        rows.append([format_bytes(g.bytes), share, what, _where(g.site)])
+    return ["", title, *_table(rows, right={0, 1})]
+
+
+def _failure(analysis: Analysis, top: int) -> list[str]:
+    failure = analysis.failure
+    if failure is None:
+        return []
+    first_line = failure.error.strip().splitlines()[0] if failure.error.strip() else failure.error
+    out = [f"memtrim: the region stopped with {safe(first_line)}"]
+    if failure.op is not None:
+        asked = f" (it asked for {format_bytes(failure.requested_bytes)})" if failure.requested_bytes else ""
+        out.append(
+            f"  failing op: {safe(failure.op.op)} in {failure.op.phase} at {_where(failure.op.site)}{asked}"
+        )
+    elif failure.requested_bytes:
+        out.append(f"  the failed request asked for {format_bytes(failure.requested_bytes)}")
+    out.append(f"  alive at the failure: {format_bytes(failure.live_bytes)} above the region's start")
+    out += _roles("Alive at the failure, by role:", failure.breakdown)
+    out += _lines("Alive at the failure, by source line:", failure.lines, failure.live_bytes, top)
+    out += ["", "Before the failure:"]
+    return out
+
+
 def render(analysis: Analysis, *, top: int = 5) -> str:
-    """The summary: the peak and where it was reached, what was alive then by line, the largest
-    temporaries, and how to cut it. ``top`` rows per table."""
+    """The summary: the peak and where it was reached, what was alive then by role and by line, the
+    largest temporaries, and how to cut it. After a failure, what was alive at the failure comes first.
+    ``top`` rows per table."""
     log, peak = analysis.log, analysis.peak
-    out: list[str] = []
+    out = _failure(analysis, top)
     mode = " (fake tensors: nothing was allocated)" if log.fake else ""
-    if log.error:
-        out.append(f"memtrim: the region stopped with {safe(log.error)}")
-        if log.failed_op is not None:
-            out.append(f"  failing op: {safe(log.failed_op.op)} at {_where(log.failed_op.site)}")
-        out.append("  (everything below is up to the failure; 'alive at the end' is the live set then)")
     if peak.allocation is None:
         out.append(f"memtrim: no allocations inside the region{mode}")
         return "\n".join(out)
     a = peak.allocation
     node = f" for {safe(a.node)}" if a.node else ""
+    label = "the peak was" if analysis.failure else "memtrim: peak"
     out.append(
-        f"memtrim: peak {format_bytes(peak.bytes)} above the region's start on {safe(str(peak.device))}{mode}"
+        f"{label} {format_bytes(peak.bytes)} above the region's start on {safe(str(peak.device))}{mode}"
     )
     out.append(f"  reached in {a.phase} by {safe(a.op)}{node} at {_where(a.site)}")
     for device, measured in log.cuda_max_allocated.items():
@@ -47,36 +95,8 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
             f"  torch.cuda.max_memory_allocated over the region on {safe(device)}: {format_bytes(measured)}"
         )
 
-    breakdown = analysis.breakdown_at_peak
-    if breakdown.made or breakdown.preexisting:
-        out.append("")
-        out.append("At the peak, by role:")
-        rows = [["role", "made in region", "from before", "total"]]
-        for role in dict.fromkeys([*breakdown.made, *breakdown.preexisting]):
-            made, before = breakdown.made.get(role, 0), breakdown.preexisting.get(role, 0)
-            rows.append(
-                [
-                    str(role),
-                    format_bytes(made) if made else "-",
-                    format_bytes(before) if before else "-",
-                    format_bytes(made + before),
-                ]
-            )
-        out.extend(_table(rows, right={1, 2, 3}))
-        if breakdown.preexisting_freed:
-            out.append(
-                f"  (pre-region tensors freed before the peak: {format_bytes(breakdown.preexisting_freed)})"
-            )
-
-    groups = analysis.lines_at_peak[:top]
-    if groups:
-        out.append("")
-        out.append("Alive at the peak, by source line:")
-        rows = [["bytes", "share", "what", "line"]]
-        for g in groups:
-            what = ", ".join(f"{cat} {format_bytes(b)}" for cat, b in g.categories.items())
-            rows.append([format_bytes(g.bytes), f"{100 * g.bytes / peak.bytes:.0f}%", what, _where(g.site)])
-        out.extend(_table(rows, right={0, 1}))
+    out += _roles("At the peak, by role:", analysis.breakdown_at_peak)
+    out += _lines("Alive at the peak, by source line:", analysis.lines_at_peak, peak.bytes, top)
 
     temps = analysis.largest_temporaries(top)
     if temps:
