@@ -98,3 +98,22 @@ def test_subpackages_are_not_shadowed_by_functions(name: str) -> None:
 
     package = importlib.import_module(f"memtrim.{name}")
     assert getattr(memtrim, name, package) is package
+
+
+def test_numpy_is_not_needed_at_run_time() -> None:
+    # numpy is not a dependency of memtrim (`pip install memtrim` runs both demos without it): no module
+    # imports it and nothing calls Tensor.numpy().
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(name == "numpy" or name.startswith("numpy.") for name in names):
+                offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: imports numpy")
+            if isinstance(node, ast.Attribute) and node.attr == "numpy":
+                offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: calls .numpy()")
+    assert not offenders, "\n".join(offenders)
