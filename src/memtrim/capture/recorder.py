@@ -196,19 +196,23 @@ class Recorder(TorchDispatchMode):
             call_site, between, module = walk[1]
         else:
             call_site, between, module = user_site(caller)
+        inputs: list[int] = []  # rows of the storages the op reads: the data flow diagnoses follow
         if not info.lifts:
             watches = self._watches
             try:
                 for t in (*args, *kwargs.values()) if kwargs else args:
                     if isinstance(t, _Tensor):
                         storage = t.untyped_storage()
-                        if storage._cdata not in watches:
-                            self._watch_preexisting(t, storage)
+                        watch = watches.get(storage._cdata)
+                        inputs.append(
+                            (watch or self._watch_preexisting(t, storage)).index  # new: from before
+                        )
                     elif isinstance(t, (list, tuple)) and t and type(t[0]) is not int:
-                        self._watch_inputs(t)  # int[] (sizes, dims) never holds a tensor: skipped
+                        self._watch_inputs(t, inputs)  # int[] (sizes, dims) never holds a tensor: skipped
             except (RuntimeError, NotImplementedError, TypeError):
                 # sparse/nested/opaque tensors have no single storage: account what can be
-                self._watch_inputs((*args, *kwargs.values()))
+                inputs.clear()
+                self._watch_inputs((*args, *kwargs.values()), inputs)
 
         node = _current_autograd_node()
         grad_enabled = _is_grad_enabled()
@@ -234,7 +238,7 @@ class Recorder(TorchDispatchMode):
 
         ops = self._ops
         seq = len(ops)
-        ops.append(_row(OpRow, (next(self._clock), info.name, phase, site, node_name, module)))
+        ops.append(_row(OpRow, (next(self._clock), info.name, phase, site, node_name, module, tuple(inputs))))
         written = self._written_sizes(info, args, kwargs) if info.writes else None
         try:
             out = info.call(*args, **kwargs)
@@ -274,16 +278,17 @@ class Recorder(TorchDispatchMode):
                 stamp = False
         return out
 
-    def _watch_inputs(self, values: Any) -> None:
-        """Start watching input storages not seen before (the general, slower path)."""
+    def _watch_inputs(self, values: Any, inputs: list[int]) -> None:
+        """Start watching input storages not seen before, and add every input's row to ``inputs``
+        (the general, slower path)."""
         watches = self._watches
         for t in _tensors(values):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
-            if storage._cdata not in watches:
-                self._watch_preexisting(t, storage)
+            watch = watches.get(storage._cdata)
+            inputs.append((watch or self._watch_preexisting(t, storage)).index)
 
     def _record_lifted(self, args: Any, seq: int, call_site: Site | None) -> None:
         for t in _tensors(args):
@@ -296,16 +301,17 @@ class Recorder(TorchDispatchMode):
         rows.append(_row(AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)))
         return len(rows) - 1
 
-    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
+    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
         rows = self._rows
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
-        self._start_watch(storage, len(rows) - 1)
+        return self._start_watch(storage, len(rows) - 1)
 
-    def _start_watch(self, storage: Any, index: int) -> None:
+    def _start_watch(self, storage: Any, index: int) -> _StorageWatch:
         watch = _StorageWatch(storage, self._on_free)
         watch.index = index
         watch.key = storage._cdata
         self._watches[watch.key] = watch
+        return watch
 
     def _on_free(self, watch: _StorageWatch) -> None:
         if not self._open:

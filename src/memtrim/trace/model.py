@@ -6,8 +6,9 @@ reads, so it must not depend on any of them.
 
 Row layouts (what the recorder appends on its hot path; see docs/ARCHITECTURE.md):
 
-- :class:`OpRow` ``(tick, op, phase, site, node, module)``, one per aten op; an op's number (its
-  ``seq``) is its index in the log.
+- :class:`OpRow` ``(tick, op, phase, site, node, module, inputs)``, one per aten op; an op's number
+  (its ``seq``) is its index in the log; ``inputs`` are the allocation rows of the storages it read
+  (or wrote in place): the data flow the diagnoses follow.
 - :class:`AllocRow` ``(seq, bytes, dtype, shape, device, tick, call_site)``, one per storage; ``seq``
   is the number of the op that made it, or -1 for a storage that existed before the region.
 - :class:`FreeRow` ``(tick, phase)`` per freed allocation, keyed by the allocation's row number.
@@ -127,6 +128,8 @@ class OpRow(NamedTuple):
     site: Site | None
     node: str | None
     module: str | None
+    inputs: tuple[int, ...] = ()
+    """Allocation rows of the storages the op was handed (each once, in argument order)."""
 
 
 class AllocRow(NamedTuple):
@@ -157,6 +160,8 @@ class OpCall:
     site: Site | None
     node: str | None = None
     module: str | None = None
+    inputs: tuple[int, ...] = ()
+    """Ids of the allocations whose storages the op was handed."""
 
 
 class OpLog(Sequence[OpCall]):
@@ -169,7 +174,7 @@ class OpLog(Sequence[OpCall]):
         self.rows: list[OpRow] = rows if rows is not None else []
 
     def append(self, op: OpCall) -> None:
-        self.rows.append(OpRow(op.tick, op.op, op.phase, op.site, op.node, op.module))
+        self.rows.append(OpRow(op.tick, op.op, op.phase, op.site, op.node, op.module, op.inputs))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -271,7 +276,7 @@ class AllocationLog:
             if row.seq < 0:  # from before the region
                 op, phase, site, node, module = PRE_REGION_OP, Phase.OTHER, None, None, None
             else:
-                _, op, phase, site, node, module = op_rows[row.seq]
+                _, op, phase, site, node, module, _ = op_rows[row.seq]
             allocations.append(
                 Allocation(
                     id=i,

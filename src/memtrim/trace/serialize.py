@@ -17,7 +17,8 @@ from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, 
 
 READABLE_SCHEMAS = ("memtrim.trace/1", SCHEMA)
 
-OP_COLUMNS = ["seq", "tick", "op", "phase", "site", "node", "module"]
+OP_COLUMNS = ["seq", "tick", "op", "phase", "site", "node", "module", "inputs"]
+OP_COLUMNS_V1 = OP_COLUMNS[:-1]  # memtrim.trace/1 recorded no inputs
 
 # No allocation, tick or count in a real program reaches 2**62 (4 EiB); larger numbers in a file are
 # corruption, not memory, and would print as nonsense ("1073741824 TiB").
@@ -55,7 +56,7 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
         return None if site is None else index[site]
 
     def op_row(seq: int, row: OpRow) -> list[Any]:
-        return [seq, row.tick, row.op, row.phase.value, ref(row.site), row.node, row.module]
+        return [seq, row.tick, row.op, row.phase.value, ref(row.site), row.node, row.module, list(row.inputs)]
 
     failed = log.failed_op
     return {
@@ -72,7 +73,10 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
         "failed_op": None
         if failed is None
         else op_row(
-            failed.seq, OpRow(failed.tick, failed.op, failed.phase, failed.site, failed.node, failed.module)
+            failed.seq,
+            OpRow(
+                failed.tick, failed.op, failed.phase, failed.site, failed.node, failed.module, failed.inputs
+            ),
         ),
         "allocations": [
             {
@@ -189,10 +193,17 @@ def log_from_dict(data: Any) -> TraceLog:
             raise _fail(where, f"a site number below {len(sites)} or null", value)
         return sites[value]
 
+    columns = OP_COLUMNS if data["schema"] == SCHEMA else OP_COLUMNS_V1
+
     def op_from_row(row: Any, where: str) -> OpCall:
-        if not isinstance(row, list) or len(row) != len(OP_COLUMNS):
-            raise _fail(where, "[" + ", ".join(OP_COLUMNS) + "]", row)
-        seq, tick, op, phase, site_index, node, module = row
+        if not isinstance(row, list) or len(row) != len(columns):
+            raise _fail(where, "[" + ", ".join(columns) + "]", row)
+        seq, tick, op, phase, site_index, node, module, *rest = row
+        inputs = (
+            tuple(_int(i, f"{where} inputs[{j}]") for j, i in enumerate(_list(rest[0], where + " inputs")))
+            if rest
+            else ()
+        )
         return OpCall(
             _int(seq, where + " seq"),
             _int(tick, where + " tick"),
@@ -201,6 +212,7 @@ def log_from_dict(data: Any) -> TraceLog:
             site(site_index, where + " site"),
             _optional(_str, node, where + " node"),
             _optional(_str, module, where + " module"),
+            inputs,
         )
 
     ops = OpLog()
