@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from memtrim.analysis import Analysis
 from memtrim.report.escape import safe
 from memtrim.trace.model import Site, shape_text, site_text
@@ -12,14 +14,53 @@ def _where(site: Site | None) -> str:
     return safe(site_text(site))
 
 
+WIDTH = 100
+"""Report lines fit in this many columns: tables shrink their widest text column (a source line is
+shortened from the left, keeping the file name, line and function), other lines wrap."""
+_SHRINKABLE = {"line": "left", "what": "right", "op": "right"}
+_MIN_WIDTH = 16
+
+
+def _shorten(cell: str, width: int, side: str) -> str:
+    if len(cell) <= width:
+        return cell
+    if side == "left":
+        return "…" + cell[len(cell) - width + 1 :]
+    return cell[: width - 1] + "…"
+
+
+def _fit(rows: list[list[str]], widths: list[int]) -> None:
+    """Shrink the widest shrinkable column until a row fits in :data:`WIDTH` (in place)."""
+    header = rows[0]
+    columns = [i for i, name in enumerate(header) if name in _SHRINKABLE]
+    while 2 + sum(widths) + 2 * (len(widths) - 1) > WIDTH:
+        candidates = [i for i in columns if widths[i] > _MIN_WIDTH]
+        if not candidates:
+            return
+        i = max(candidates, key=lambda c: widths[c])
+        excess = 2 + sum(widths) + 2 * (len(widths) - 1) - WIDTH
+        widths[i] = max(_MIN_WIDTH, widths[i] - excess, len(header[i]))
+        for row in rows[1:]:
+            row[i] = _shorten(row[i], widths[i], _SHRINKABLE[header[i]])
+
+
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    _fit(rows, widths)
     lines = []
     for row in rows:
         pairs = enumerate(zip(row, widths, strict=True))
         cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in pairs]
         lines.append("  " + "  ".join(cells).rstrip())
     return lines
+
+
+def _wrap(line: str) -> list[str]:
+    """A line longer than :data:`WIDTH`, wrapped under its own indent (plus two)."""
+    if len(line) <= WIDTH:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def render(analysis: Analysis, *, top: int = 5) -> str:
@@ -110,4 +151,4 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
                 f"    Peak without these {len(d.allocations)} allocation(s): {format_bytes(d.peak_after)} "
                 f"(-{format_bytes(peak.bytes - d.peak_after)})."
             )
-    return "\n".join(out)
+    return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))
