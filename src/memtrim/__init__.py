@@ -8,7 +8,8 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 from __future__ import annotations
 
 from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
-from memtrim.api import Trace, load, track
+from memtrim.api import Diff, Trace, diff, load, track
+from memtrim.capture.regions import region
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "Analysis",
     "Category",
     "Diagnosis",
+    "Diff",
     "LineGroup",
     "OpCall",
     "Peak",
@@ -28,6 +30,8 @@ __all__ = [
     "TraceLog",
     "__version__",
     "analyze",
+    "diff",
     "load",
+    "region",
     "track",
 ]
