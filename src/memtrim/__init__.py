@@ -14,6 +14,14 @@ from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, Tra
 
 __version__ = "0.1.0"
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext memtrim`` in IPython/Jupyter: adds the ``%%memtrim`` cell magic."""
+    from memtrim.jupyter import load_ipython_extension as load
+
+    load(ipython)
+
+
 __all__ = [
     "Allocation",
     "Analysis",

@@ -165,6 +165,11 @@ class Trace:
         return self.report()
 
 
+def _remember_all(logs: list[TraceLog]) -> None:
+    for log in logs:
+        remember_source_lines(log)
+
+
 @contextlib.contextmanager
 def track(*, fake: bool = False) -> Iterator[Trace]:
     """Record every storage the code inside the ``with`` block allocates and frees.
@@ -188,7 +193,7 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
         # runs after the recorder has finished: the text of the lines the trace names, for the views
         # and for diffs against a later version of the file
         finished: list[TraceLog] = []
-        stack.callback(lambda: [remember_source_lines(log) for log in finished])
+        stack.callback(_remember_all, finished)
         log = stack.enter_context(record(fake=fake))
         finished.append(log)
         yield Trace(log)

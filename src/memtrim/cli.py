@@ -73,7 +73,9 @@ def _check_output(flag: str, path: str | None) -> None:
     try:
         check_writable(path)
     except OSError as exc:
-        raise UsageError(f"cannot write {flag} {path}: {exc}; create the folder or give another path") from exc
+        raise UsageError(
+            f"cannot write {flag} {path}: {exc}; create the folder or give another path"
+        ) from exc
 
 
 def _check_views(args: argparse.Namespace) -> None:
@@ -161,7 +163,8 @@ def _execute(args: argparse.Namespace, outcome: Outcome) -> None:
         if args.module:
             outcome.held.append(runpy.run_module(args.module, run_name="__main__", alter_sys=True))
         else:
-            outcome.held.append(runpy.run_path(args.script, run_name="__main__"))
+            # the absolute path, as Python 3.11 names a script it runs (tracebacks, __file__)
+            outcome.held.append(runpy.run_path(os.path.abspath(args.script), run_name="__main__"))
     except SystemExit as exc:
         _exit_status(exc, outcome)
         outcome.held.append(exc)
@@ -200,11 +203,17 @@ def _check_target(args: argparse.Namespace) -> None:
         try:
             found = importlib.util.find_spec(args.module)
         except (ImportError, ValueError) as exc:
-            raise UsageError(f"cannot find module {args.module!r} ({exc}); check the name and sys.path") from exc
+            raise UsageError(
+                f"cannot find module {args.module!r} ({exc}); check the name and sys.path"
+            ) from exc
         if found is None:
-            raise UsageError(f"no module named {args.module!r}; check the name, or run it from its project folder")
+            raise UsageError(
+                f"no module named {args.module!r}; check the name, or run it from its project folder"
+            )
     elif not args.script:
-        raise UsageError("give a script to run (memtrim run train.py) or a module (memtrim run -m package.module)")
+        raise UsageError(
+            "give a script to run (memtrim run train.py) or a module (memtrim run -m package.module)"
+        )
     elif not os.path.isfile(args.script):
         raise UsageError(f"no such script {args.script!r}; give the path of a Python file")
 
@@ -328,7 +337,9 @@ def rows(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of rows, e.g. --top 5 (got {value!r})") from None
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of rows, e.g. --top 5 (got {value!r})"
+        ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more rows (got {n})")
     return n
@@ -376,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_views(show)
     show.set_defaults(handler=_show)
 
-    export = sub.add_parser("export", help="write a saved trace for another viewer (HTML, PNG, Perfetto, memory_viz)")
+    export = sub.add_parser(
+        "export", help="write a saved trace for another viewer (HTML, PNG, Perfetto, memory_viz)"
+    )
     export.add_argument("trace")
     _add_views(export)
     export.set_defaults(handler=_export)

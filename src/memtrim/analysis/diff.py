@@ -61,7 +61,13 @@ class LineChange:
 
     @property
     def site(self) -> Site | None:
-        return (self.after or self.before).site if (self.after or self.before) else None
+        figures = self.after or self.before
+        return figures.site if figures else None
+
+    @property
+    def code(self) -> str | None:
+        figures = self.after or self.before
+        return figures.code if figures else None
 
 
 @dataclass(frozen=True)
@@ -99,13 +105,21 @@ def _code(analysis: Analysis, site: Site | None) -> str | None:
 
 def line_figures(analysis: Analysis) -> list[LineFigures]:
     """Per line that made bytes alive at the peak or a temporary: its figures."""
-    at_peak: dict[Site | None, tuple[int, dict[str, int]]] = {g.site: (g.bytes, dict(g.ops)) for g in analysis.lines_at_peak}
+    at_peak: dict[Site | None, tuple[int, dict[str, int]]] = {
+        g.site: (g.bytes, dict(g.ops)) for g in analysis.lines_at_peak
+    }
     temps: dict[Site | None, Allocation] = {}
     for t in analysis.temporaries:  # largest first
         temps.setdefault(t.site, t)
     sites = list(dict.fromkeys([*at_peak, *temps]))
     return [
-        LineFigures(site, _code(analysis, site), at_peak.get(site, (0, {}))[0], at_peak.get(site, (0, {}))[1], temps.get(site))
+        LineFigures(
+            site,
+            _code(analysis, site),
+            at_peak.get(site, (0, {}))[0],
+            at_peak.get(site, (0, {}))[1],
+            temps.get(site),
+        )
         for site in sites
     ]
 

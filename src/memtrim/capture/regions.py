@@ -39,7 +39,9 @@ _capture: RegionCapture | None = None
 
 
 def _running_recorders() -> list[Recorder]:
-    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Recorder) and m.trace.finished is False]
+    return [
+        m for m in _get_current_dispatch_mode_stack() if isinstance(m, Recorder) and m.trace.finished is False
+    ]
 
 
 def _now(recorder: Recorder) -> int:

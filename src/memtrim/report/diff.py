@@ -48,26 +48,33 @@ def render_text(d: TraceDiff, *, top: int = 10) -> str:
         return f"memtrim diff: no differences (peak {format_bytes(d.peak[0])} in both)"
     out = [f"memtrim diff: peak {_pair(*d.peak)}"]
     if d.by_phase:
-        out.append("  by phase:  " + ";  ".join(f"{p} {_pair(*v)}" for p, v in d.by_phase.items() if v[0] != v[1]))
+        out.append(
+            "  by phase:  " + ";  ".join(f"{p} {_pair(*v)}" for p, v in d.by_phase.items() if v[0] != v[1])
+        )
     changed_roles = {r: v for r, v in d.by_role.items() if v[0] != v[1]}
     if changed_roles:
         out.append("")
         out.append("At the peak, by role:")
         for role, (b, a) in changed_roles.items():
-            out.append(f"  {str(role):<16} {_pair(b, a)}")
+            out.append(f"  {role!s:<16} {_pair(b, a)}")
     if d.lines:
         out.append("")
         out.append("By source line (largest change first):")
         for change in d.lines[:top]:
             (pb, pa), (tb, ta) = change.at_peak, change.largest_temporary
             out.append(_clip(f"  {safe(_where(change))}  [{change.matched}]"))
-            code = (change.after or change.before).code if (change.after or change.before) else None
+            code = change.code
             if code:
                 out.append(_clip(f"      {safe(code)}"))
             if pb != pa:
                 out.append(_clip(f"      alive at the peak  {_pair(pb, pa)}"))
             if tb != ta:
-                out.append(_clip(f"      largest temporary  {safe(_temp(change.before))} -> {safe(_temp(change.after))}"))
+                out.append(
+                    _clip(
+                        f"      largest temporary  {safe(_temp(change.before))} -> "
+                        f"{safe(_temp(change.after))}"
+                    )
+                )
         if len(d.lines) > top:
             out.append(f"  ({len(d.lines) - top} more lines changed; --top to see them)")
     return "\n".join(out)
@@ -82,14 +89,19 @@ def render_markdown(d: TraceDiff, *, top: int = 10) -> str:
     """The diff as Markdown for a pull request."""
     if d.empty:
         return f"**memtrim**: no memory differences (peak {format_bytes(d.peak[0])} in both)."
-    out = [f"**memtrim**: peak {format_bytes(d.peak[0])} → {format_bytes(d.peak[1])} ({format_delta(*d.peak)})", ""]
+    out = [
+        f"**memtrim**: peak {format_bytes(d.peak[0])} → {format_bytes(d.peak[1])} ({format_delta(*d.peak)})",
+        "",
+    ]
     out += ["| | before | after | change |", "|---|---:|---:|---:|"]
     out.append(f"| peak | {format_bytes(d.peak[0])} | {format_bytes(d.peak[1])} | {format_delta(*d.peak)} |")
     for phase, (b, a) in d.by_phase.items():
         out.append(f"| peak in {phase} | {format_bytes(b)} | {format_bytes(a)} | {format_delta(b, a)} |")
     for role, (b, a) in d.by_role.items():
         if b != a:
-            out.append(f"| {role} at the peak | {format_bytes(b)} | {format_bytes(a)} | {format_delta(b, a)} |")
+            out.append(
+                f"| {role} at the peak | {format_bytes(b)} | {format_bytes(a)} | {format_delta(b, a)} |"
+            )
     if d.lines:
         out += ["", "| line | code | alive at the peak | largest temporary |", "|---|---|---:|---:|"]
         for change in d.lines[:top]:
@@ -131,7 +143,8 @@ def to_dict(d: TraceDiff) -> dict[str, Any]:
         "peak_by_phase": {p.value: {"before": b, "after": a} for p, (b, a) in d.by_phase.items()},
         "by_role_at_peak": {r.value: {"before": b, "after": a} for r, (b, a) in d.by_role.items()},
         "lines": [
-            {"matched": c.matched, "before": _figures_json(c.before), "after": _figures_json(c.after)} for c in d.lines
+            {"matched": c.matched, "before": _figures_json(c.before), "after": _figures_json(c.after)}
+            for c in d.lines
         ],
     }
 
@@ -139,25 +152,43 @@ def to_dict(d: TraceDiff) -> dict[str, Any]:
 def render_html(d: TraceDiff, *, top: int = 20, names: tuple[str, str] = ("before", "after")) -> str:
     """The diff as a self-contained page: both live curves on one axis, then the tables."""
     chart = compare_svg([(names[0], timeline(d.before)), (names[1], timeline(d.after))])
-    body = [f"<h1>memtrim diff: peak {text(format_bytes(d.peak[0]))} → {text(format_bytes(d.peak[1]))} "
-            f"({text(format_delta(*d.peak))})</h1>"]
-    body.append(f'<p class="sub">{text(names[0])} (blue) and {text(names[1])} (red), live bytes above each '
-                "region's start over its op sequence.</p>")
+    body = [
+        f"<h1>memtrim diff: peak {text(format_bytes(d.peak[0]))} → {text(format_bytes(d.peak[1]))} "
+        f"({text(format_delta(*d.peak))})</h1>"
+    ]
+    body.append(
+        f'<p class="sub">{text(names[0])} (blue) and {text(names[1])} (red), live bytes above each '
+        "region's start over its op sequence.</p>"
+    )
     body.append(f'<div class="card">{chart}</div>')
     if d.empty:
         body.append("<p>No differences.</p>")
     rows = [["peak", format_bytes(d.peak[0]), format_bytes(d.peak[1]), format_delta(*d.peak)]]
-    rows += [[f"peak in {p}", format_bytes(b), format_bytes(a), format_delta(b, a)] for p, (b, a) in d.by_phase.items()]
-    rows += [[f"{r} at the peak", format_bytes(b), format_bytes(a), format_delta(b, a)] for r, (b, a) in d.by_role.items()]
-    table = ["<h2>Totals</h2><table><tr><th></th><th class='num'>before</th><th class='num'>after</th>"
-             "<th class='num'>change</th></tr>"]
+    rows += [
+        [f"peak in {p}", format_bytes(b), format_bytes(a), format_delta(b, a)]
+        for p, (b, a) in d.by_phase.items()
+    ]
+    rows += [
+        [f"{r} at the peak", format_bytes(b), format_bytes(a), format_delta(b, a)]
+        for r, (b, a) in d.by_role.items()
+    ]
+    table = [
+        "<h2>Totals</h2><table><tr><th></th><th class='num'>before</th><th class='num'>after</th>"
+        "<th class='num'>change</th></tr>"
+    ]
     for row in rows:
-        table.append("<tr>" + "".join(f"<td{' class=num' if i else ''}>{text(v)}</td>" for i, v in enumerate(row)) + "</tr>")
+        table.append(
+            "<tr>"
+            + "".join(f"<td{' class=num' if i else ''}>{text(v)}</td>" for i, v in enumerate(row))
+            + "</tr>"
+        )
     table.append("</table>")
     body.append("".join(table))
     if d.lines:
-        out = ["<h2>By source line</h2><table><tr><th>line</th><th>matched</th><th>code</th>"
-               "<th class='num'>alive at the peak</th><th>largest temporary</th></tr>"]
+        out = [
+            "<h2>By source line</h2><table><tr><th>line</th><th>matched</th><th>code</th>"
+            "<th class='num'>alive at the peak</th><th>largest temporary</th></tr>"
+        ]
         for c in d.lines[:top]:
             figures = c.after or c.before
             (pb, pa) = c.at_peak

@@ -30,7 +30,8 @@ h1{font-size:20px;margin:6px 0 2px} h2{font-size:16px;margin:26px 0 8px;border-b
 .sub{color:#555;margin:2px 0} .warn{background:#fff3cd;border:1px solid #e0c36c;padding:6px 10px;margin:8px 0}
 .card{background:#fff;border:1px solid #e2e2e2;border-radius:6px;padding:10px 14px;margin:10px 0}
 table{border-collapse:collapse;margin:4px 0;font-size:13px} th,td{padding:3px 10px 3px 0;text-align:left;
-vertical-align:top} th{color:#555;font-weight:600;border-bottom:1px solid #ddd} td.num,th.num{text-align:right}
+vertical-align:top} th{color:#555;font-weight:600;border-bottom:1px solid #ddd}
+td.num,th.num{text-align:right}
 td.site{white-space:nowrap} td.code,code{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;
 color:#333} td.note{color:#666;font-style:italic}
 .legend{display:flex;flex-wrap:wrap;gap:4px 14px;margin:4px 0 2px;font-size:12px}
@@ -43,7 +44,13 @@ button[aria-pressed=true]{background:#e9eef6;border-color:#7b93b8}
 
 def _json_block(data: Any) -> str:
     raw = json.dumps(data, separators=(",", ":"), allow_nan=False)
-    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for char, escape in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         raw = raw.replace(char, escape)
     return f'<script type="application/json" id="memtrim-data">{raw}</script>'
 
@@ -63,9 +70,14 @@ def code_text(analysis: Analysis, site: Site | None) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _table(head: Sequence[str], rows: Iterable[Sequence[str]], numeric: frozenset[int] | set[int] = frozenset()) -> str:
+def _table(
+    head: Sequence[str], rows: Iterable[Sequence[str]], numeric: frozenset[int] | set[int] = frozenset()
+) -> str:
     out = ["<table><tr>"]
-    out += [f'<th class="num">{text(h)}</th>' if i in numeric else f"<th>{text(h)}</th>" for i, h in enumerate(head)]
+    out += [
+        f'<th class="num">{text(h)}</th>' if i in numeric else f"<th>{text(h)}</th>"
+        for i, h in enumerate(head)
+    ]
     out.append("</tr>")
     for row in rows:
         out.append("<tr>")
@@ -86,7 +98,9 @@ def _legend(layers: Sequence[Layer], mode: str) -> str:
     return f'<div class="legend" data-mode="{mode}">{"".join(items)}</div>'
 
 
-def _roles_by_line(analysis: Analysis, allocations: Iterable[Allocation]) -> dict[Site | None, dict[Role, int]]:
+def _roles_by_line(
+    analysis: Analysis, allocations: Iterable[Allocation]
+) -> dict[Site | None, dict[Role, int]]:
     found: dict[Site | None, dict[Role, int]] = {}
     for a in allocations:
         roles = found.setdefault(a.site, {})
@@ -104,8 +118,13 @@ def headline(analysis: Analysis) -> list[str]:
     log, peak = analysis.log, analysis.peak
     out = []
     if log.error:
-        failing = f" at op {text(log.failed_op.op)}, {text(site_text(log.failed_op.site))}" if log.failed_op else ""
-        out.append(f'<p class="warn">The region stopped with {text(log.error)}{failing}. Everything below is up to the failure.</p>')
+        failing = (
+            f" at op {text(log.failed_op.op)}, {text(site_text(log.failed_op.site))}" if log.failed_op else ""
+        )
+        out.append(
+            f'<p class="warn">The region stopped with {text(log.error)}{failing}. '
+            "Everything below is up to the failure.</p>"
+        )
     if log.fake:
         out.append('<p class="warn">Fake tensors: shapes and bytes as a real run, nothing was allocated.</p>')
     if peak.allocation is None:
@@ -113,8 +132,14 @@ def headline(analysis: Analysis) -> list[str]:
         return out
     a = peak.allocation
     node = f" for {text(a.node)}" if a.node else ""
-    out.append(f"<h1>memtrim: peak {text(format_bytes(peak.bytes))} above the region's start on {text(peak.device)}</h1>")
-    out.append(f'<p class="sub">reached in {text(a.phase)} by <code>{text(a.op)}</code>{node} at {text(site_text(a.site))}</p>')
+    out.append(
+        f"<h1>memtrim: peak {text(format_bytes(peak.bytes))} above the region's start "
+        f"on {text(peak.device)}</h1>"
+    )
+    out.append(
+        f'<p class="sub">reached in {text(a.phase)} by <code>{text(a.op)}</code>{node} '
+        f"at {text(site_text(a.site))}</p>"
+    )
     if analysis.lines_at_peak:
         top = analysis.lines_at_peak[0]
         share = 100 * top.bytes / peak.bytes if peak.bytes else 0
@@ -132,25 +157,52 @@ def _breakdown(analysis: Analysis) -> str:
     rows = []
     for role in dict.fromkeys([*b.made, *b.preexisting]):
         made, before = b.made.get(role, 0), b.preexisting.get(role, 0)
-        rows.append([str(role), format_bytes(made) if made else "-", format_bytes(before) if before else "-", format_bytes(made + before)])
+        rows.append(
+            [
+                str(role),
+                format_bytes(made) if made else "-",
+                format_bytes(before) if before else "-",
+                format_bytes(made + before),
+            ]
+        )
     if not rows:
         return ""
-    note = f'<p class="hint">Tensors from before the region freed before the peak: {text(format_bytes(b.preexisting_freed))}.</p>' if b.preexisting_freed else ""
-    return "<h2>At the peak, by role</h2>" + _table(["role", "made in region", "from before", "total"], rows, {1, 2, 3}) + note
+    note = (
+        '<p class="hint">Tensors from before the region freed before the peak: '
+        f"{text(format_bytes(b.preexisting_freed))}.</p>"
+        if b.preexisting_freed
+        else ""
+    )
+    return (
+        "<h2>At the peak, by role</h2>"
+        + _table(["role", "made in region", "from before", "total"], rows, {1, 2, 3})
+        + note
+    )
 
 
 def _phases_and_devices(analysis: Analysis, tl: Timeline) -> str:
     rows = [[str(phase), format_bytes(n)] for phase, n in analysis.peak_by_phase.items() if n]
     out = ["<h2>Peaks</h2>", _table(["while running", "peak above start"], rows, {1})]
     if len(analysis.peaks) > 1:
-        out.append(_table(["device", "peak"], [[d, format_bytes(p.bytes)] for d, p in analysis.peaks.items()], {1}))
+        out.append(
+            _table(["device", "peak"], [[d, format_bytes(p.bytes)] for d, p in analysis.peaks.items()], {1})
+        )
     if tl.region_peaks:
-        out.append(_table(["region", "ops", "peak while open"], [
-            [name, f"{span.start:.0f}-{span.end:.0f}", format_bytes(n)]
-            for (name, n), span in zip(tl.region_peaks, tl.regions, strict=True)
-        ], {2}))
+        out.append(
+            _table(
+                ["region", "ops", "peak while open"],
+                [
+                    [name, f"{span.start:.0f}-{span.end:.0f}", format_bytes(n)]
+                    for (name, n), span in zip(tl.region_peaks, tl.regions, strict=True)
+                ],
+                {2},
+            )
+        )
     for device, measured in analysis.log.cuda_max_allocated.items():
-        out.append(f'<p class="hint">torch.cuda.max_memory_allocated over the region on {text(device)}: {text(format_bytes(measured))}</p>')
+        out.append(
+            f'<p class="hint">torch.cuda.max_memory_allocated over the region on {text(device)}: '
+            f"{text(format_bytes(measured))}</p>"
+        )
     return "".join(out)
 
 
@@ -161,10 +213,18 @@ def _lines_at_peak(analysis: Analysis, top: int) -> str:
     roles = _roles_by_line(analysis, analysis.live_at_peak)
     peak = analysis.peak.bytes or 1
     rows = [
-        [format_bytes(g.bytes), f"{100 * g.bytes / peak:.0f}%", _what(roles.get(g.site, {})), site_text(g.site), code_text(analysis, g.site)]
+        [
+            format_bytes(g.bytes),
+            f"{100 * g.bytes / peak:.0f}%",
+            _what(roles.get(g.site, {})),
+            site_text(g.site),
+            code_text(analysis, g.site),
+        ]
         for g in groups
     ]
-    return "<h2>Alive at the peak, by source line</h2>" + _table(["bytes", "share", "what", "line", "code"], rows, {0, 1})
+    return "<h2>Alive at the peak, by source line</h2>" + _table(
+        ["bytes", "share", "what", "line", "code"], rows, {0, 1}
+    )
 
 
 def _temporaries(analysis: Analysis, top: int) -> str:
@@ -175,7 +235,18 @@ def _temporaries(analysis: Analysis, top: int) -> str:
     for t in temps:
         op = t.op.removeprefix("aten.") + (f" ({t.node})" if t.node else "")
         without = analysis.peak_without([t]) if t.device == analysis.peak.device else analysis.peak.bytes
-        rows.append([format_bytes(t.bytes), format_bytes(without), op, shape_text(t.shape), t.dtype, str(t.phase), site_text(t.site), t.module or ""])
+        rows.append(
+            [
+                format_bytes(t.bytes),
+                format_bytes(without),
+                op,
+                shape_text(t.shape),
+                t.dtype,
+                str(t.phase),
+                site_text(t.site),
+                t.module or "",
+            ]
+        )
     return "<h2>Largest temporaries (made and freed in the same phase)</h2>" + _table(
         ["bytes", "peak without it", "op", "shape", "dtype", "phase", "line", "module"], rows, {0, 1}
     )
@@ -188,14 +259,17 @@ def _diagnoses(analysis: Analysis, top: int) -> str:
     out = ["<h2>How to cut it</h2>"]
     for d in findings:
         code = code_text(analysis, d.site)
+        proof = f"; prove it with memtrim.verify(..., mode={d.verify_mode!r})" if d.verify_mode else ""
         out.append('<div class="fix card">')
-        out.append(f"<p><b>{text(site_text(d.site))}</b>{': <code>' + text(code) + '</code>' if code else ''}</p>")
+        out.append(
+            f"<p><b>{text(site_text(d.site))}</b>{': <code>' + text(code) + '</code>' if code else ''}</p>"
+        )
         out.append(f"<p>{text(d.problem)}.</p>")
         out.append(f"<p><b>Fix:</b> {text(d.fix)}.</p>")
         out.append(
             f"<p>Peak {text(format_bytes(d.peak_before))} → {text(format_bytes(d.peak_after))} "
-            f"(−{text(format_bytes(d.peak_before - d.peak_after))}) without these {len(d.allocations)} allocation(s)"
-            f"{'; prove it with memtrim.verify(..., mode=' + repr(d.verify_mode) + ')' if d.verify_mode else ''}.</p>"
+            f"(−{text(format_bytes(d.peak_before - d.peak_after))}) without these "
+            f"{len(d.allocations)} allocation(s){proof}.</p>"
         )
         if d.safe_because:
             out.append("<p class='hint'>Checked on the trace: " + text("; ".join(d.safe_because)) + "</p>")
@@ -212,7 +286,9 @@ def _page_data(analysis: Analysis, tl: Timeline, rows: int) -> dict[str, Any]:
     ops: dict[str, int] = {}
     roles = [role.value for role in Role]
     role_index = {role: i for i, role in enumerate(Role)}
-    columns: dict[str, list[Any]] = {k: [] for k in ("bytes", "role", "site", "op", "shape", "dtype", "alloc", "free")}
+    columns: dict[str, list[Any]] = {
+        k: [] for k in ("bytes", "role", "site", "op", "shape", "dtype", "alloc", "free")
+    }
     for a in listed:
         columns["bytes"].append(a.bytes)
         columns["role"].append(role_index[analysis.role(a)])
@@ -252,7 +328,9 @@ def _timeline_card(tl: Timeline, *, interactive: bool) -> str:
     out.append(_legend(tl.by_role, "role"))
     out.append(timeline_svg(tl, mode="role"))
     if interactive:
-        out.append(_legend(tl.by_line, "line").replace('class="legend"', 'class="legend" style="display:none"', 1))
+        out.append(
+            _legend(tl.by_line, "line").replace('class="legend"', 'class="legend" style="display:none"', 1)
+        )
         out.append(timeline_svg(tl, mode="line").replace("<svg ", '<svg style="display:none" ', 1))
         out.append('<p id="memtrim-alive-heading" class="sub"></p><table id="memtrim-alive"></table>')
     out.append("</div>")
@@ -278,8 +356,9 @@ def page(title: str, body: str, data: dict[str, Any] | None = None) -> str:
     """A complete HTML document around ``body`` (with the interactive script when ``data`` is given)."""
     scripts = _json_block(data) + _script() if data is not None else ""
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; "
         "script-src 'unsafe-inline'; img-src data:\">"
         f"<title>{text(title)}</title><style>{CSS}</style></head><body><main>{body}</main>{scripts}</body></html>\n"
     )
@@ -294,7 +373,12 @@ def notebook_html(analysis: Analysis, *, top: int = 3) -> str:
         *(p.replace("<h1>", '<h1 style="font-size:16px;margin:4px 0">', 1) for p in headline(analysis)),
     ]
     if analysis.peak.allocation is not None:
-        parts.append(_legend(tl.by_role, "role").replace('class="legend"', 'class="legend" style="display:flex;flex-wrap:wrap;gap:4px 12px;font-size:12px"'))
+        parts.append(
+            _legend(tl.by_role, "role").replace(
+                'class="legend"',
+                'class="legend" style="display:flex;flex-wrap:wrap;gap:4px 12px;font-size:12px"',
+            )
+        )
         parts.append(timeline_svg(tl, mode="role", height=260))
         parts.append(_lines_at_peak(analysis, top).replace("<h2>", '<h2 style="font-size:14px">'))
         parts.append(_diagnoses(analysis, top).replace("<h2>", '<h2 style="font-size:14px">'))

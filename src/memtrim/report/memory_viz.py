@@ -51,7 +51,9 @@ def _frames(a: Allocation) -> list[dict[str, Any]]:
     frames = []
     for site in (a.site, a.call_site):
         if site is not None:
-            frames.append({"filename": site.file or "?", "line": int(site.line), "name": site.function or "?"})
+            frames.append(
+                {"filename": site.file or "?", "line": int(site.line), "name": site.function or "?"}
+            )
     if not frames and not a.preexisting:
         frames.append({"filename": "(no user frame)", "line": 0, "name": a.op})
     return frames
@@ -81,7 +83,7 @@ def snapshot(analysis: Analysis) -> dict[str, Any]:
         charged = curve.charged
         index = indices[device]
         entries: list[tuple[int, int, dict[str, Any]]] = []
-        blocks = []
+        blocks: list[dict[str, Any]] = []
         address = BASE_ADDRESS
         for a in allocations:
             if a.device != device:
@@ -89,8 +91,14 @@ def snapshot(analysis: Analysis) -> dict[str, Any]:
             size = charged.get(a.id, a.bytes)
             frames = _frames(a)
             metadata = _metadata(analysis, a)
-            common = {"addr": address, "size": size, "stream": 0, "frames": frames,
-                      "category": metadata["role"], "user_metadata": metadata}
+            common = {
+                "addr": address,
+                "size": size,
+                "stream": 0,
+                "frames": frames,
+                "category": metadata["role"],
+                "user_metadata": metadata,
+            }
             if not a.preexisting:
                 entries.append((a.alloc_tick, 0, {"action": "alloc", **common}))
             if a.free_tick is not None:
@@ -112,8 +120,16 @@ def snapshot(analysis: Analysis) -> dict[str, Any]:
         for tick, half, entry in entries:
             trace.append({**entry, "time_us": 2 * tick + half})
         trace.append(
-            {"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "frames": [], "category": UNKNOWN,
-             "time_us": 2 * analysis.log.end_tick, "user_metadata": {}}
+            {
+                "action": "snapshot",
+                "addr": 0,
+                "size": 0,
+                "stream": 0,
+                "frames": [],
+                "category": UNKNOWN,
+                "time_us": 2 * analysis.log.end_tick,
+                "user_metadata": {},
+            }
         )
         active = [b for b in blocks if b["state"] == "active_allocated"]
         segments.append(

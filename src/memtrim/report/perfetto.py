@@ -32,10 +32,14 @@ def _meta(name: str, tid: int | None, value: str) -> dict[str, Any]:
 def chrome_trace(analysis: Analysis) -> dict[str, Any]:
     """The trace as a Chrome trace-event object (``{"traceEvents": [...]}``)."""
     log = analysis.log
-    events: list[dict[str, Any]] = [_meta("process_name", None, "memtrim trace" + (" (fake tensors)" if log.fake else ""))]
+    events: list[dict[str, Any]] = [
+        _meta("process_name", None, "memtrim trace" + (" (fake tensors)" if log.fake else ""))
+    ]
     for phase, tid in PHASE_TIDS.items():
         events.append(_meta("thread_name", tid, f"ops: {phase.value}"))
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}}
+        )
     rows = log.ops.rows
     for i, row in enumerate(rows):
         end = rows[i + 1].tick if i + 1 < len(rows) else log.end_tick
@@ -45,16 +49,32 @@ def chrome_trace(analysis: Analysis) -> dict[str, Any]:
         if row.module:
             args["module"] = row.module
         events.append(
-            {"ph": "X", "name": row.op, "cat": row.phase.value, "pid": PID, "tid": PHASE_TIDS[row.phase],
-             "ts": row.tick, "dur": max(1, end - row.tick), "args": args}
+            {
+                "ph": "X",
+                "name": row.op,
+                "cat": row.phase.value,
+                "pid": PID,
+                "tid": PHASE_TIDS[row.phase],
+                "ts": row.tick,
+                "dur": max(1, end - row.tick),
+                "args": args,
+            }
         )
     if log.regions:
         events.append(_meta("thread_name", REGION_TID, "regions"))
         for r in log.regions:
             end = r.end_tick if r.end_tick is not None else log.end_tick
             events.append(
-                {"ph": "X", "name": r.name, "cat": "region", "pid": PID, "tid": REGION_TID, "ts": r.start_tick,
-                 "dur": max(1, end - r.start_tick), "args": {"open at the end": r.end_tick is None}}
+                {
+                    "ph": "X",
+                    "name": r.name,
+                    "cat": "region",
+                    "pid": PID,
+                    "tid": REGION_TID,
+                    "ts": r.start_tick,
+                    "dur": max(1, end - r.start_tick),
+                    "args": {"open at the end": r.end_tick is None},
+                }
             )
     allocations = analysis.allocations
     for device, curve in analysis.curves.items():
@@ -70,19 +90,31 @@ def chrome_trace(analysis: Analysis) -> dict[str, Any]:
                 role = analysis.roles[ident].value
                 sums[role] += delta
                 seen.add(role)
-            args: dict[str, int] = {role: n for role, n in sums.items() if role in seen}
+            counters: dict[str, int] = {role: n for role, n in sums.items() if role in seen}
             if freed or FREED_BEFORE in seen:
                 seen.add(FREED_BEFORE)
-                args[FREED_BEFORE] = -freed
-            events.append({"ph": "C", "name": name, "pid": PID, "ts": tick, "args": args or {"none": 0}})
-            events.append({"ph": "C", "name": f"{LIVE} {device}", "pid": PID, "ts": tick, "args": {"bytes": live}})
+                counters[FREED_BEFORE] = -freed
+            events.append({"ph": "C", "name": name, "pid": PID, "ts": tick, "args": counters or {"none": 0}})
+            events.append(
+                {"ph": "C", "name": f"{LIVE} {device}", "pid": PID, "ts": tick, "args": {"bytes": live}}
+            )
     peak = analysis.peak
     if peak.tick is not None:
         events.append(
-            {"ph": "i", "name": f"peak {peak.bytes} B", "s": "g", "pid": PID, "tid": PHASE_TIDS[peak.allocation.phase]
-             if peak.allocation else 4, "ts": peak.tick}
+            {
+                "ph": "i",
+                "name": f"peak {peak.bytes} B",
+                "s": "g",
+                "pid": PID,
+                "tid": PHASE_TIDS[peak.allocation.phase] if peak.allocation else 4,
+                "ts": peak.tick,
+            }
         )
-    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"tool": "memtrim", "clock": "event ticks"}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {"tool": "memtrim", "clock": "event ticks"},
+    }
 
 
 def save(analysis: Analysis, path: str) -> None:

@@ -43,7 +43,9 @@ def _unit(top: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def png_bytes(analysis: Analysis, *, mode: str = "role", title: str | None = None, tl: Timeline | None = None) -> bytes:
+def png_bytes(
+    analysis: Analysis, *, mode: str = "role", title: str | None = None, tl: Timeline | None = None
+) -> bytes:
     """The PNG of ``analysis``'s timeline, stacked by ``mode`` (``"role"`` or ``"line"``)."""
     plt = _pyplot()
     tl = tl or timeline(analysis, buckets=800)
@@ -60,9 +62,18 @@ def png_bytes(analysis: Analysis, *, mode: str = "role", title: str | None = Non
             labels = [safe(layer.name) for layer in layers]
             ax.stackplot(xs, ys, labels=labels, colors=colors, step="post", alpha=0.9, zorder=2)
         if any(tl.freed_before):
-            ax.fill_between(xs, [-v / scale for v in (*tl.freed_before, tl.freed_before[-1])], 0, step="post",
-                            color="#d0d0d0", label="from before the region, freed", zorder=2)
-        ax.step(xs, [v / scale for v in (*tl.total, tl.total[-1])], where="post", color="#222", lw=0.9, zorder=3)
+            ax.fill_between(
+                xs,
+                [-v / scale for v in (*tl.freed_before, tl.freed_before[-1])],
+                0,
+                step="post",
+                color="#d0d0d0",
+                label="from before the region, freed",
+                zorder=2,
+            )
+        ax.step(
+            xs, [v / scale for v in (*tl.total, tl.total[-1])], where="post", color="#222", lw=0.9, zorder=3
+        )
         if tl.peak_x is not None:
             ax.axvline(tl.peak_x, color=PEAK_COLOR, ls="--", lw=1, zorder=4)
             ax.annotate(
@@ -82,14 +93,25 @@ def png_bytes(analysis: Analysis, *, mode: str = "role", title: str | None = Non
             ax.text(span.start, y, f" {safe(span.name)}", va="bottom", fontsize=8, color="#333", zorder=5)
         for span in tl.phases:
             if span.end - span.start > 0.08 * max(tl.ops, 1):
-                ax.text((span.start + span.end) / 2, 0.01, span.name, transform=ax.get_xaxis_transform(),
-                        ha="center", va="bottom", fontsize=8, color="#777")
+                ax.text(
+                    (span.start + span.end) / 2,
+                    0.01,
+                    span.name,
+                    transform=ax.get_xaxis_transform(),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    color="#777",
+                )
         ax.set_xlim(0, max(tl.ops, 1))
         ax.set_ylim(min(0.0, -max(tl.freed_before, default=0) / scale * 1.1), top)
         ax.set_xlabel(f"op number ({safe(tl.device)})")
         ax.set_ylabel(f"live above the region's start ({unit})")
-        ax.set_title(safe(title) if title else f"memtrim: peak {format_bytes(tl.peak_bytes)} on {safe(tl.device)}",
-                     fontsize=11, loc="left")
+        ax.set_title(
+            safe(title) if title else f"memtrim: peak {format_bytes(tl.peak_bytes)} on {safe(tl.device)}",
+            fontsize=11,
+            loc="left",
+        )
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9, ncol=2 if len(layers) > 5 else 1)
         ax.grid(axis="y", color="#e3e3e3", lw=0.6)
         fig.tight_layout()

@@ -161,7 +161,9 @@ def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timel
         if any(values)
     )
     names = [site_text(site) for site in line_sites] + [OTHER_LINES]
-    by_line = tuple(Layer(name, tuple(values)) for name, values in zip(names, out_lines, strict=True) if any(values))
+    by_line = tuple(
+        Layer(name, tuple(values)) for name, values in zip(names, out_lines, strict=True) if any(values)
+    )
 
     phases: list[Span] = []
     for i, row in enumerate(log.ops.rows):
@@ -200,4 +202,3 @@ def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timel
         peak_bytes=peak.bytes,
         region_peaks=tuple(region_peaks),
     )
-

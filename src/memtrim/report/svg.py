@@ -44,7 +44,9 @@ def layer_colors(layers: Sequence[Layer], mode: str) -> list[str]:
     colors = []
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        colors.append(OTHER_COLOR if last and layer.name == "other lines" else LINE_COLORS[i % len(LINE_COLORS)])
+        colors.append(
+            OTHER_COLOR if last and layer.name == "other lines" else LINE_COLORS[i % len(LINE_COLORS)]
+        )
     return colors
 
 
@@ -100,7 +102,8 @@ def plot_for(x_max: float, y_min: float, y_max: float, width: int, height: int, 
 
 def _steps(xs: Sequence[float], ys: Sequence[float], plot: Plot) -> list[str]:
     """A step curve: each value holds until the next point."""
-    points = []
+    points: list[str] = []
+    prev = 0.0
     for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
         py = plot.py(y)
         if i:
@@ -132,7 +135,8 @@ def _axes(plot: Plot, x_label: str) -> list[str]:
         x = plot.px(value)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y1}" y2="{y1 + 4}" stroke="#888"/>')
         out.append(
-            f'<text x="{x:.1f}" y="{y1 + 16}" text-anchor="middle" font-size="11" fill="#555">{value:.0f}</text>'
+            f'<text x="{x:.1f}" y="{y1 + 16}" text-anchor="middle" font-size="11" fill="#555">'
+            f"{value:.0f}</text>"
         )
         value += xstep
     out.append(f'<line x1="{x0}" x2="{x1}" y1="{plot.py(0):.1f}" y2="{plot.py(0):.1f}" stroke="#999"/>')
@@ -168,7 +172,8 @@ def _regions(tl: Timeline, plot: Plot) -> list[str]:
         y = base + 18 * (i % max(1, _bands(tl)))
         x0, x1 = plot.px(span.start), plot.px(span.end)
         out.append(
-            f'<rect class="region" x="{x0:.1f}" y="{y}" width="{max(x1 - x0, 1.5):.1f}" height="5" fill="#555">'
+            f'<rect class="region" x="{x0:.1f}" y="{y}" width="{max(x1 - x0, 1.5):.1f}" height="5" '
+            'fill="#555">'
             f"<title>region {text(span.name)}</title></rect>"
         )
         out.append(f'<text x="{x0:.1f}" y="{y + 14}" font-size="10" fill="#333">{text(span.name)}</text>')
@@ -253,7 +258,8 @@ def compare_svg(curves: Sequence[tuple[str, Timeline]], *, width: int = 960, hei
     low = min((min(tl.total, default=0) for _, tl in curves), default=0)
     plot = plot_for(x_max, low, top, width, height)
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="memtrim-compare" viewBox="0 0 {width} {plot.height}" '
+        '<svg xmlns="http://www.w3.org/2000/svg" class="memtrim-compare" '
+        f'viewBox="0 0 {width} {plot.height}" '
         'width="100%" preserveAspectRatio="xMinYMin meet" font-family="system-ui, sans-serif">',
         *_axes(plot, "op number"),
     ]

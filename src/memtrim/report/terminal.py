@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 from memtrim.analysis import Analysis
@@ -21,27 +22,42 @@ _SHRINKABLE = {"line": "left", "what": "right", "op": "right"}
 _MIN_WIDTH = 16
 
 
+_SITE = re.compile(r"^(.*):(\d+) in (.*)$")
+
+
 def _shorten(cell: str, width: int, side: str) -> str:
     if len(cell) <= width:
         return cell
-    if side == "left":
+    if side == "right":
+        return cell[: width - 1] + "…"
+    site = _SITE.match(cell)
+    if site is None:
         return "…" + cell[len(cell) - width + 1 :]
-    return cell[: width - 1] + "…"
+    # a source line: the file gives way from the left first, keeping the line number and function
+    file, line, function = site.groups()
+    tail = f":{line} in {function}"
+    room = width - len(tail)
+    if room >= 5:
+        return "…" + file[len(file) - room + 1 :] + tail
+    head = f"…{file[-max(room, 4) + 1 :]}:{line} in "
+    return head + function[: max(width - len(head) - 1, 1)] + "…"
 
 
 def _fit(rows: list[list[str]], widths: list[int]) -> None:
-    """Shrink the widest shrinkable column until a row fits in :data:`WIDTH` (in place)."""
+    """Narrow the widest shrinkable column, one column at a time, until a row fits in :data:`WIDTH`
+    (in place)."""
     header = rows[0]
     columns = [i for i, name in enumerate(header) if name in _SHRINKABLE]
+    original = list(widths)
     while 2 + sum(widths) + 2 * (len(widths) - 1) > WIDTH:
-        candidates = [i for i in columns if widths[i] > _MIN_WIDTH]
+        candidates = [i for i in columns if widths[i] > max(_MIN_WIDTH, len(header[i]))]
         if not candidates:
-            return
-        i = max(candidates, key=lambda c: widths[c])
-        excess = 2 + sum(widths) + 2 * (len(widths) - 1) - WIDTH
-        widths[i] = max(_MIN_WIDTH, widths[i] - excess, len(header[i]))
-        for row in rows[1:]:
-            row[i] = _shorten(row[i], widths[i], _SHRINKABLE[header[i]])
+            break
+        widths[max(candidates, key=lambda c: widths[c])] -= 1
+    for i in columns:
+        if widths[i] < original[i]:
+            for row in rows[1:]:
+                row[i] = _shorten(row[i], widths[i], _SHRINKABLE[header[i]])
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -60,7 +76,9 @@ def _wrap(line: str) -> list[str]:
     if len(line) <= WIDTH:
         return [line]
     indent = " " * (len(line) - len(line.lstrip()) + 2)
-    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    return textwrap.wrap(
+        line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def render(analysis: Analysis, *, top: int = 5) -> str:
