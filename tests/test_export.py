@@ -230,7 +230,7 @@ def test_png_is_drawn_and_a_missing_matplotlib_names_the_extra(monkeypatch: pyte
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     from PIL import Image  # matplotlib's own dependency
 
-    assert Image.open(io.BytesIO(data)).size == (1100, 462)
+    assert Image.open(io.BytesIO(data)).size == (1100, 420)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtra, match=r"memtrim\[plots\]"):
         png_bytes(trace.analysis)

@@ -85,6 +85,12 @@ def _md(value: str) -> str:
     return safe(value).replace("|", "\\|").replace("`", "'").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def _md_code(value: str) -> str:
+    """Text for a Markdown code span in a table cell (entities are not decoded there; a pipe still
+    needs its escape)."""
+    return safe(value).replace("|", "\\|").replace("`", "'")
+
+
 def render_markdown(d: TraceDiff, *, top: int = 10) -> str:
     """The diff as Markdown for a pull request."""
     if d.empty:
@@ -106,7 +112,7 @@ def render_markdown(d: TraceDiff, *, top: int = 10) -> str:
         out += ["", "| line | code | alive at the peak | largest temporary |", "|---|---|---:|---:|"]
         for change in d.lines[:top]:
             figures = change.after or change.before
-            code = f"`{_md(figures.code)}`" if figures and figures.code else ""
+            code = f"`{_md_code(figures.code)}`" if figures and figures.code else ""
             (pb, pa) = change.at_peak
             out.append(
                 f"| {_md(_where(change))} | {code} | {format_bytes(pb)} → {format_bytes(pa)} | "

@@ -52,7 +52,7 @@ def png_bytes(
     layers = tl.by_role if mode == "role" else tl.by_line
     colors = layer_colors(layers, mode)
     scale, unit = _unit(max(tl.top, 1))
-    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=100)
     try:
         for span in tl.phases:
             ax.axvspan(span.start, span.end, color=PHASE_FILLS.get(span.name, "#f4f4f4"), zorder=0, lw=0)
@@ -86,9 +86,10 @@ def png_bytes(
                 fontweight="bold",
                 zorder=5,
             )
-        top = max(tl.top, 1) / scale * 1.12
+        room = 1.12 + 0.06 * min(len(tl.regions), 3)  # region bars sit above the highest point
+        top = max(tl.top, 1) / scale * room
         for i, span in enumerate(tl.regions):
-            y = top * (0.97 - 0.05 * (i % 3))
+            y = max(tl.top, 1) / scale * (1.1 + 0.06 * (i % 3))
             ax.plot([span.start, span.end], [y, y], color="#444", lw=3, solid_capstyle="butt", zorder=4)
             ax.text(span.start, y, f" {safe(span.name)}", va="bottom", fontsize=8, color="#333", zorder=5)
         for span in tl.phases:
@@ -112,7 +113,14 @@ def png_bytes(
             fontsize=11,
             loc="left",
         )
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9, ncol=2 if len(layers) > 5 else 1)
+        ax.legend(
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=8,
+            frameon=False,
+            title=mode,
+            title_fontsize=8,
+        )
         ax.grid(axis="y", color="#e3e3e3", lw=0.6)
         fig.tight_layout()
         out = io.BytesIO()

@@ -43,17 +43,31 @@ def _shorten(cell: str, width: int, side: str) -> str:
     return head + function[: max(width - len(head) - 1, 1)] + "…"
 
 
+def _floor(rows: list[list[str]], i: int) -> int:
+    """How narrow column ``i`` may get in the first round: a source line keeps its line number, its
+    function and a few characters of its file; other columns keep :data:`_MIN_WIDTH`."""
+    header = rows[0][i]
+    if _SHRINKABLE[header] != "left":
+        return max(_MIN_WIDTH, len(header))
+    tails = [len(m.group(0)) - len(m.group(1)) for row in rows[1:] if (m := _SITE.match(row[i]))]
+    return max(_MIN_WIDTH, len(header), min(max(tails, default=0) + 6, 30))
+
+
 def _fit(rows: list[list[str]], widths: list[int]) -> None:
-    """Narrow the widest shrinkable column, one column at a time, until a row fits in :data:`WIDTH`
-    (in place)."""
+    """Narrow the widest shrinkable column, one character at a time, until a row fits in
+    :data:`WIDTH` (in place): first down to each column's floor, then to :data:`_MIN_WIDTH`."""
     header = rows[0]
     columns = [i for i, name in enumerate(header) if name in _SHRINKABLE]
     original = list(widths)
-    while 2 + sum(widths) + 2 * (len(widths) - 1) > WIDTH:
-        candidates = [i for i in columns if widths[i] > max(_MIN_WIDTH, len(header[i]))]
-        if not candidates:
-            break
-        widths[max(candidates, key=lambda c: widths[c])] -= 1
+    for floors in (
+        {i: _floor(rows, i) for i in columns},
+        {i: max(_MIN_WIDTH, len(header[i])) for i in columns},
+    ):
+        while 2 + sum(widths) + 2 * (len(widths) - 1) > WIDTH:
+            candidates = [i for i in columns if widths[i] > floors[i]]
+            if not candidates:
+                break
+            widths[max(candidates, key=lambda c: widths[c] - floors[c])] -= 1
     for i in columns:
         if widths[i] < original[i]:
             for row in rows[1:]:
