@@ -85,7 +85,15 @@ def validate_snapshot(raw: bytes) -> dict[str, Any]:
                 categories.add(e["category"])
             if e["action"] == "snapshot":
                 continue
-            assert set(e["user_metadata"]) == {"op", "phase", "role", "node", "module", "shape", "dtype"}
+            assert set(e["user_metadata"]) - {"region"} == {
+                "op",
+                "phase",
+                "role",
+                "node",
+                "module",
+                "shape",
+                "dtype",
+            }
             assert all(isinstance(v, str) for v in e["user_metadata"].values())
             if e["action"] == "alloc":
                 assert e["addr"] not in seen_addrs, "addresses are unique"

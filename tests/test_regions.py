@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memtrim
-from memtrim.report import perfetto
+from memtrim.report import memory_viz, perfetto
 from memtrim.report.series import timeline
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -41,6 +41,13 @@ def test_regions_are_spans_on_the_trace_clock_and_in_the_views() -> None:
     assert dict(tl.region_peaks)["step"] == (1024 + 4096 + 256) * 4  # alive while it was open
     slices = [e for e in perfetto.chrome_trace(trace.analysis)["traceEvents"] if e.get("cat") == "region"]
     assert [e["name"] for e in slices] == ["step", "inner"]
+    cpu = memory_viz.device_indices(["cpu"])["cpu"]
+    where = {
+        e["size"]: e["user_metadata"].get("region")
+        for e in memory_viz.snapshot(trace.analysis)["device_traces"][cpu]
+        if e["action"] == "alloc"
+    }
+    assert where == {1024 * 4: None, 4096 * 4: "step", 256 * 4: "inner", 64 * 4: None}
     del a, b, c, d
 
 

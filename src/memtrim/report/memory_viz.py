@@ -9,7 +9,8 @@ What the viewer needs, and how it is met:
 - trace entries with ``action`` (``alloc``, then ``free_requested`` and ``free_completed``), a synthetic
   unique ``addr``, ``size``, ``stream`` 0, ``frames`` (``filename``/``line``/``name``, strings and ints,
   never None), a monotone ``time_us`` (memtrim's event clock, not wall time), and ``user_metadata``
-  (op, phase, role, node, module, shape, dtype); a backward op's frames start at the forward line;
+  (op, phase, role, node, module, shape, dtype, and the innermost ``memtrim.region``); a backward
+  op's frames start at the forward line;
 - one synthetic segment per device whose blocks tile every block ever live (its "Allocator State
   History" looks each block up in a segment);
 - entries carry their role as ``category``; blocks alive at the end come from the segment without
@@ -59,8 +60,31 @@ def _frames(a: Allocation) -> list[dict[str, Any]]:
     return frames
 
 
-def _metadata(analysis: Analysis, a: Allocation) -> dict[str, str]:
+def regions_at_alloc(analysis: Analysis) -> dict[int, str]:
+    """Allocation id -> the innermost ``memtrim.region`` open when it was made (if any)."""
+    log = analysis.log
+    spans = sorted(
+        (r.start_tick, r.end_tick if r.end_tick is not None else log.end_tick, r.name) for r in log.regions
+    )
+    found: dict[int, str] = {}
+    if not spans:
+        return found
+    open_spans: list[tuple[int, int, str]] = []
+    following = 0
+    for a in sorted((a for a in analysis.allocations if not a.preexisting), key=lambda a: a.alloc_tick):
+        while following < len(spans) and spans[following][0] <= a.alloc_tick:
+            open_spans.append(spans[following])
+            following += 1
+        open_spans = [s for s in open_spans if s[1] > a.alloc_tick]
+        if open_spans:
+            found[a.id] = open_spans[-1][2]
+    return found
+
+
+def _metadata(analysis: Analysis, a: Allocation, region: str | None) -> dict[str, str]:
+    extra = {"region": region} if region else {}
     return {
+        **extra,
         "op": a.op,
         "phase": a.phase.value,
         "role": analysis.role(a).value,
@@ -84,13 +108,14 @@ def snapshot(analysis: Analysis) -> dict[str, Any]:
         index = indices[device]
         entries: list[tuple[int, int, dict[str, Any]]] = []
         blocks: list[dict[str, Any]] = []
+        regions = regions_at_alloc(analysis)
         address = BASE_ADDRESS
         for a in allocations:
             if a.device != device:
                 continue
             size = charged.get(a.id, a.bytes)
             frames = _frames(a)
-            metadata = _metadata(analysis, a)
+            metadata = _metadata(analysis, a, regions.get(a.id))
             common = {
                 "addr": address,
                 "size": size,
