@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memtrim-installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench browser images clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The HTML report is tested in headless Chromium (Debian's package). Installed when missing and when
+# this machine can (root and apt); otherwise the browser tests say why they are skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+	      || echo "make: could not install chromium; the browser tests will be skipped"; \
+	    else echo "make: no chromium and no root apt-get; the browser tests will be skipped"; fi; }
+
+# README pictures from real runs: docs/report.png (the HTML report in Chromium) and docs/timeline.png
+images: $(STAMP) browser
+	$(BIN)/python docs/make_images.py
 
 test: lint typecheck unit
 

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": LOWER,
     "fixes": LOWER,
 }
-TOP = {"api", "cases", "cli", "__init__", "__main__"}
+TOP = {"api", "cases", "cli", "jupyter", "__init__", "__main__"}
 
 
 def _stage(path: Path) -> str:

@@ -8,16 +8,26 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 from __future__ import annotations
 
 from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
-from memtrim.api import Trace, load, track
+from memtrim.api import Diff, Trace, diff, load, track
+from memtrim.capture.regions import region
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext memtrim`` in IPython/Jupyter: adds the ``%%memtrim`` cell magic."""
+    from memtrim.jupyter import load_ipython_extension as load
+
+    load(ipython)
+
 
 __all__ = [
     "Allocation",
     "Analysis",
     "Category",
     "Diagnosis",
+    "Diff",
     "LineGroup",
     "OpCall",
     "Peak",
@@ -28,6 +38,8 @@ __all__ = [
     "TraceLog",
     "__version__",
     "analyze",
+    "diff",
     "load",
+    "region",
     "track",
 ]

@@ -13,8 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak, analyze
+from memtrim.analysis.diff import LineChange, TraceDiff
+from memtrim.analysis.diff import diff as diff_analyses
 from memtrim.capture.api import record
+from memtrim.capture.source import remember_source_lines
 from memtrim.report import json as report_json
+from memtrim.report.diff import render_html as render_diff_html
+from memtrim.report.diff import render_markdown as render_diff_markdown
+from memtrim.report.diff import render_text as render_diff_text
+from memtrim.report.diff import to_dict as diff_to_dict
 from memtrim.report.terminal import render
 from memtrim.trace import serialize
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
@@ -131,12 +138,36 @@ class Trace:
         """Write the JSON form to ``path`` atomically."""
         serialize.save(self.log, path, report_json.summary(self.analysis))
 
+    def save_html(self, path: str) -> None:
+        """Write the HTML report (one self-contained file) to ``path`` atomically."""
+        from memtrim.report.files import write_text
+        from memtrim.report.html import report_html
+
+        write_text(path, report_html(self.analysis))
+
+    def save_png(self, path: str) -> None:
+        """Write the timeline as a PNG to ``path`` (needs matplotlib: ``pip install 'memtrim[plots]'``)."""
+        from memtrim.report.plot import save_png
+
+        save_png(self.analysis, path)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the compact report and the timeline by role (no script needed)."""
+        from memtrim.report.html import notebook_html
+
+        return notebook_html(self.analysis)
+
     def __repr__(self) -> str:
         state = "finished" if self.log.finished else "recording"
         return f"<memtrim.Trace {state}: {len(self.log.ops)} ops, {len(self.log.allocations)} allocations>"
 
     def __str__(self) -> str:
         return self.report()
+
+
+def _remember_all(logs: list[TraceLog]) -> None:
+    for log in logs:
+        remember_source_lines(log)
 
 
 @contextlib.contextmanager
@@ -158,8 +189,73 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
     >>> trace.peak_bytes
     4096
     """
-    with record(fake=fake) as log:
+    with contextlib.ExitStack() as stack:
+        # runs after the recorder has finished: the text of the lines the trace names, for the views
+        # and for diffs against a later version of the file
+        finished: list[TraceLog] = []
+        stack.callback(_remember_all, finished)
+        log = stack.enter_context(record(fake=fake))
+        finished.append(log)
         yield Trace(log)
+
+
+class Diff:
+    """Two traces compared (:func:`diff`): ``str()`` for a terminal, :meth:`markdown` for a pull request,
+    :meth:`to_dict` for programs, and an HTML view in a notebook."""
+
+    def __init__(self, result: TraceDiff) -> None:
+        self.result = result
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing differs."""
+        return self.result.empty
+
+    @property
+    def peak(self) -> tuple[int, int]:
+        return self.result.peak
+
+    @property
+    def lines(self) -> tuple[LineChange, ...]:
+        """Per source line, what changed, largest change first."""
+        return self.result.lines
+
+    def report(self, *, top: int = 10) -> str:
+        return render_diff_text(self.result, top=top)
+
+    def markdown(self, *, top: int = 10) -> str:
+        return render_diff_markdown(self.result, top=top)
+
+    def to_dict(self) -> dict[str, Any]:
+        return diff_to_dict(self.result)
+
+    def html(self) -> str:
+        return render_diff_html(self.result)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def __repr__(self) -> str:
+        return f"<memtrim.Diff peak {self.peak[0]} -> {self.peak[1]} B, {len(self.lines)} lines changed>"
+
+
+def diff(before: Trace | str, after: Trace | str) -> Diff:
+    """Compare two traces (``Trace`` objects or saved files): peaks, per-phase peaks, bytes by role at
+    the peak, and per source line the bytes alive at the peak and the largest temporary. Lines that
+    moved between two versions of a file are matched by function and code text.
+
+    >>> import torch, memtrim
+    >>> with memtrim.track() as a:
+    ...     x = torch.ones(1024)
+    >>> memtrim.diff(a, a).empty
+    True
+    """
+    first = load(before) if isinstance(before, str) else before
+    second = load(after) if isinstance(after, str) else after
+    return Diff(diff_analyses(first.analysis, second.analysis))
 
 
 def load(path: str) -> Trace:

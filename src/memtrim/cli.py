@@ -1,50 +1,323 @@
-"""The ``memtrim`` command: thin glue over the library."""
+"""The ``memtrim`` command: thin glue over the library.
+
+Expected failures (a missing script, an unreadable trace, an unwritable output path, a missing
+optional extra) raise :class:`CliError` anywhere below, and :func:`main` — the one place that catches
+them — prints one line that names the fix (exit 2 for bad usage, 1 otherwise). What the user's script
+raises is not one of them: it is printed as Python would print it, and the script's exit status is
+memtrim's.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import runpy
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from memtrim.api import load, track
-from memtrim.trace.serialize import TraceFormatError
+from memtrim.api import Trace, diff, load, track
+from memtrim.trace.serialize import TraceFormatError, check_writable
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_MEMTRIM_FRAMES = (os.path.join(_HERE, "cli.py"), os.path.join(_HERE, "capture") + os.sep)
+
+
+class CliError(Exception):
+    """An expected failure, said in one line that names the fix."""
+
+    status = 1
+
+
+class UsageError(CliError):
+    """Bad input from the command line: exit status 2."""
+
+    status = 2
+
+
+# -- progress ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def progress(label: str) -> Iterator[None]:
+    """A spinner on stderr while a long analysis or export runs (only on a terminal)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"memtrim: {label}…", spinner="dots"):
+        yield
+
+
+# -- outputs -------------------------------------------------------------------------------------
+VIEWS = (
+    ("html", "--html", "write the HTML report (one self-contained file)"),
+    ("png", "--png", "write the timeline as a PNG (needs the 'plots' extra: matplotlib)"),
+    ("perfetto", "--perfetto", "write Chrome-trace JSON for ui.perfetto.dev"),
+    ("memory_viz", "--memory-viz", "write a snapshot pickle for pytorch.org/memory_viz"),
+)
+
+
+def _add_views(parser: argparse.ArgumentParser) -> None:
+    for dest, flag, help_text in VIEWS:
+        parser.add_argument(flag, dest=dest, metavar="FILE", help=help_text)
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot write {flag} {path}: {exc}; create the folder or give another path"
+        ) from exc
+
+
+def _check_views(args: argparse.Namespace) -> None:
+    """Every output path and extra a run will need, checked before it starts."""
+    for dest, flag, _ in VIEWS:
+        _check_output(flag, getattr(args, dest, None))
+    if getattr(args, "png", None):
+        from memtrim.report.plot import MissingExtra, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except MissingExtra as exc:
+            raise CliError(str(exc)) from exc
+
+
+def _write_views(trace: Trace, args: argparse.Namespace) -> None:
+    written = []
+    if args.html:
+        with progress("writing the HTML report"):
+            trace.save_html(args.html)
+        written.append(args.html)
+    if args.png:
+        with progress("drawing the PNG"):
+            trace.save_png(args.png)
+        written.append(args.png)
+    if args.perfetto:
+        from memtrim.report import perfetto
+
+        with progress("writing the Perfetto trace"):
+            perfetto.save(trace.analysis, args.perfetto)
+        written.append(args.perfetto)
+    if args.memory_viz:
+        from memtrim.report import memory_viz
+
+        with progress("writing the memory_viz snapshot"):
+            memory_viz.save(trace.analysis, args.memory_viz)
+        written.append(args.memory_viz)
+    for path in written:
+        print(f"memtrim: wrote {path}", file=sys.stderr)
+
+
+def _report(trace: Trace, args: argparse.Namespace) -> None:
+    with progress("analysing the trace"):
+        _ = trace.analysis.diagnoses  # the analysis and its diagnoses, computed once
+    print(json.dumps(trace.to_dict()["peak"]) if args.json else trace.report(top=args.top))
+
+
+def _load(path: str) -> Trace:
+    try:
+        with progress(f"reading {path}"):
+            return load(path)
+    except FileNotFoundError as exc:
+        raise UsageError(f"no such trace file {path!r}; give a file written by memtrim run -o") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except TraceFormatError as exc:
+        raise UsageError(f"{exc} (give a file written by memtrim run -o or Trace.save)") from exc
+
+
+# -- running the user's program --------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """How the program ended. ``held`` keeps its globals (and a failure's frames) alive until the
+    region is closed, so what the program still holds at the end counts as alive, not as freed."""
+
+    status: int = 0
+    failure: BaseException | None = None
+    message: str | None = None
+    held: list[Any] = field(default_factory=list)
+
+
+def _exit_status(exc: SystemExit, outcome: Outcome) -> None:
+    """``sys.exit()`` semantics, as the interpreter applies them."""
+    code = exc.code
+    if code is None:
+        outcome.status = 0
+    elif isinstance(code, int):
+        outcome.status = code
+    else:
+        outcome.status, outcome.message = 1, str(code)
+
+
+def _execute(args: argparse.Namespace, outcome: Outcome) -> None:
+    try:
+        if args.module:
+            outcome.held.append(runpy.run_module(args.module, run_name="__main__", alter_sys=True))
+        else:
+            # the absolute path, as Python 3.11 names a script it runs (tracebacks, __file__)
+            outcome.held.append(runpy.run_path(os.path.abspath(args.script), run_name="__main__"))
+    except SystemExit as exc:
+        _exit_status(exc, outcome)
+        outcome.held.append(exc)
+    except KeyboardInterrupt as exc:
+        outcome.status, outcome.failure = 130, exc
+    except BaseException as exc:  # the trace up to the failure is what the user came for
+        outcome.status, outcome.failure = 1, exc
+
+
+def _strip(te: traceback.TracebackException, seen: set[int] | None = None) -> None:
+    """Drop memtrim's and runpy's frames, so the traceback reads as ``python script.py`` prints it."""
+    seen = set() if seen is None else seen
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    runpy_file = runpy.__file__ or "<frozen runpy>"
+    kept = [
+        f
+        for f in te.stack
+        if not (f.filename.startswith(_MEMTRIM_FRAMES) or f.filename in (runpy_file, "<frozen runpy>"))
+    ]
+    te.stack = traceback.StackSummary.from_list(kept)
+    for chained in (te.__cause__, te.__context__):
+        if chained is not None:
+            _strip(chained, seen)
+
+
+def print_traceback(exc: BaseException) -> None:
+    te = traceback.TracebackException.from_exception(exc)
+    _strip(te)
+    print("".join(te.format()), file=sys.stderr, end="")
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.module)
+        except (ImportError, ValueError) as exc:
+            raise UsageError(
+                f"cannot find module {args.module!r} ({exc}); check the name and sys.path"
+            ) from exc
+        if found is None:
+            raise UsageError(
+                f"no module named {args.module!r}; check the name, or run it from its project folder"
+            )
+    elif not args.script:
+        raise UsageError(
+            "give a script to run (memtrim run train.py) or a module (memtrim run -m package.module)"
+        )
+    elif not os.path.isfile(args.script):
+        raise UsageError(f"no such script {args.script!r}; give the path of a Python file")
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.script):
-        print(f"memtrim run: no such script {args.script!r}", file=sys.stderr)
-        return 2
-    sys.argv = [args.script, *args.args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    status = 0
-    with track(fake=args.fake) as trace:
-        try:
-            runpy.run_path(args.script, run_name="__main__")
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else 1
-        except BaseException as exc:  # the trace up to the failure is what the user came for
-            print(f"memtrim run: {args.script} raised {type(exc).__name__}: {exc}", file=sys.stderr)
-            status = 1
-            trace.log.error = f"{type(exc).__name__}: {exc}"
-    trace.save(args.output)
-    print(json.dumps(trace.to_dict()["peak"]) if args.json else trace.report(top=args.top))
-    print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)
-    return status
+    _check_target(args)
+    _check_output("-o", args.output)
+    _check_views(args)
+    if args.module:
+        sys.argv = [args.module, *args.args]
+        sys.path.insert(0, os.getcwd())
+    else:
+        sys.argv = [args.script, *args.args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    outcome = Outcome()
+    if args.region:
+        trace = _run_region(args, outcome)
+    else:
+        with track(fake=args.fake) as trace:
+            _execute(args, outcome)
+            if outcome.failure is not None and not isinstance(outcome.failure, KeyboardInterrupt):
+                trace.log.error = f"{type(outcome.failure).__name__}: {outcome.failure}"
+    if outcome.failure is not None:
+        print_traceback(outcome.failure)
+    elif outcome.message is not None:
+        print(outcome.message, file=sys.stderr)
+    if trace is not None:
+        with progress(f"writing {args.output}"):
+            trace.save(args.output)
+        _report(trace, args)
+        _write_views(trace, args)
+        print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)
+    # the program's objects go only now, after the region closed and everything was written
+    outcome.held.clear()
+    outcome.failure = None
+    return outcome.status
 
 
+def _run_region(args: argparse.Namespace, outcome: Outcome) -> Trace | None:
+    from memtrim.capture.regions import capture_region
+
+    with contextlib.ExitStack() as stack:
+        if args.fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        captured = stack.enter_context(capture_region(args.region, fake=args.fake))
+        _execute(args, outcome)
+    if not captured.traces:
+        print(
+            f"memtrim: the program never entered memtrim.region({args.region!r}); nothing was recorded "
+            "(mark the code with `with memtrim.region(...)`, or run without --region)",
+            file=sys.stderr,
+        )
+        outcome.status = outcome.status or 1
+        return None
+    traces = [Trace(log) for log in captured.traces]
+    chosen = max(range(len(traces)), key=lambda i: traces[i].peak_bytes)
+    if len(traces) > 1:
+        peaks = ", ".join(f"{t.peak_bytes:,} B" for t in traces[:8]) + (", ..." if len(traces) > 8 else "")
+        print(
+            f"memtrim: region {args.region!r} ran {len(traces)} times (peaks {peaks}); reporting run "
+            f"{chosen + 1}, the highest",
+            file=sys.stderr,
+        )
+    return traces[chosen]
+
+
+# -- the other commands ------------------------------------------------------------------------------
 def _show(args: argparse.Namespace) -> int:
-    try:
-        trace = load(args.trace)
-    except (OSError, TraceFormatError) as exc:
-        print(f"memtrim show: {exc}", file=sys.stderr)
-        return 2
+    _check_views(args)
+    trace = _load(args.trace)
     if args.json:
         print(json.dumps(trace.to_dict(), indent=1))
     else:
-        print(trace.report(top=args.top))
+        _report(trace, args)
+    _write_views(trace, args)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    if not any(getattr(args, dest) for dest, _, _ in VIEWS):
+        raise UsageError("say what to export: --html, --png, --perfetto or --memory-viz FILE")
+    _check_views(args)
+    _write_views(_load(args.trace), args)
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    _check_output("--html", args.html)
+    before, after = _load(args.before), _load(args.after)
+    with progress("comparing the traces"):
+        result = diff(before, after)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    elif args.markdown:
+        print(result.markdown(top=args.top))
+    else:
+        print(result.report(top=args.top))
+    if args.html:
+        from memtrim.report.files import write_text
+
+        write_text(args.html, result.html())
+        print(f"memtrim: wrote {args.html}", file=sys.stderr)
     return 0
 
 
@@ -58,27 +331,77 @@ def _demo(args: argparse.Namespace) -> int:
     return heads_demo(args.rest)
 
 
+# -- parsing -----------------------------------------------------------------------------------------
+def rows(value: str) -> int:
+    """``--top``: a whole number of table rows, 1 or more."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of rows, e.g. --top 5 (got {value!r})"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more rows (got {n})")
+    return n
+
+
+def _version() -> str:
+    import torch
+
+    from memtrim import __version__
+
+    return f"memtrim {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+RUN_USAGE = "memtrim run [options] (SCRIPT | -m MODULE) [ARGS ...]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memtrim",
         description="Find what sets a PyTorch program's peak memory, cut it, and prove the rewrite safe.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run a Python script under the tracker and report its peak")
-    run.add_argument("script")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    run = sub.add_parser(
+        "run",
+        usage=RUN_USAGE,
+        help="run a Python script (or -m module) under the tracker and report its peak",
+        description="Run a script under the tracker. Options go before the script (or -m MODULE); "
+        "everything after it is the script's own arguments.",
+    )
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("-o", "--output", default="memtrim-trace.json", help="where to write the trace (JSON)")
     run.add_argument("--fake", action="store_true", help="run under FakeTensorMode: nothing is allocated")
+    run.add_argument("--region", metavar="NAME", help="record only inside memtrim.region(NAME)")
     run.add_argument("--json", action="store_true", help="print the peak as JSON instead of the report")
-    run.add_argument("--top", type=int, default=5, help="rows per table (default 5)")
-    run.set_defaults(handler=_run)
+    run.add_argument("--top", type=rows, default=5, help="rows per table (default 5)")
+    _add_views(run)
+    run.set_defaults(handler=_run, script=None, args=[])
 
-    show = sub.add_parser("show", help="report a saved trace")
+    show = sub.add_parser("show", help="report a saved trace (and write its views)")
     show.add_argument("trace")
     show.add_argument("--json", action="store_true", help="print the whole trace as JSON")
-    show.add_argument("--top", type=int, default=5)
+    show.add_argument("--top", type=rows, default=5, help="rows per table (default 5)")
+    _add_views(show)
     show.set_defaults(handler=_show)
+
+    export = sub.add_parser(
+        "export", help="write a saved trace for another viewer (HTML, PNG, Perfetto, memory_viz)"
+    )
+    export.add_argument("trace")
+    _add_views(export)
+    export.set_defaults(handler=_export)
+
+    compare = sub.add_parser("diff", help="compare two saved traces (before, after)")
+    compare.add_argument("before")
+    compare.add_argument("after")
+    compare.add_argument("--markdown", action="store_true", help="print Markdown for a pull request")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("--html", metavar="FILE", help="write both timelines and the tables as HTML")
+    compare.add_argument("--top", type=rows, default=10, help="lines listed (default 10)")
+    compare.set_defaults(handler=_diff)
 
     demo = sub.add_parser("demo", help="run a built-in case: heads (default) or gsq")
     demo.add_argument("case", nargs="?", choices=["heads", "gsq"], default="heads")
@@ -87,13 +410,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The options of ``run`` that take a value (so the script is the first word that is neither)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    run = sub.choices["run"]
+    return {flag for action in run._actions if action.nargs != 0 for flag in action.option_strings}
+
+
+def split_run(argv: list[str], takes_value: set[str]) -> tuple[list[str], list[str]]:
+    """``run``'s own options, and the program with its arguments: the script is the first word that
+    is not an option or an option's value; ``-m MODULE`` (or ``--``) ends memtrim's options as
+    ``python -m`` does."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1 :]
+        if word == "-m":
+            return argv[: i + 2], argv[i + 2 :]
+        if word.startswith("-m") and not word.startswith("--"):  # -mpackage.module
+            return argv[: i + 1], argv[i + 1 :]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        if word in takes_value:
+            i += 2
+        else:
+            i += 1
+    return argv, []
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:
+        options, program = split_run(words[1:], _run_options(parser))
+        args = parser.parse_args(["run", *options])
+        if args.module:
+            args.args = program
+        else:
+            args.script, args.args = (program[0], program[1:]) if program else (None, [])
+        return args
+    return parser.parse_args(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse(argv)
         return int(args.handler(args))
+    except CliError as exc:
+        print(f"memtrim: error: {exc}", file=sys.stderr)
+        return exc.status
     except BrokenPipeError:  # `memtrim show t.json --json | head`
-        sys.stderr.close()
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (so the interpreter's final flush is quiet)
         return 0
+    except KeyboardInterrupt:
+        print("memtrim: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 from memtrim.analysis import Analysis, Breakdown, LineGroup
 from memtrim.report.escape import safe
 from memtrim.trace.model import Site, shape_text, site_text
@@ -12,14 +15,84 @@ def _where(site: Site | None) -> str:
     return safe(site_text(site))
 
 
+WIDTH = 100
+"""Report lines fit in this many columns: tables shrink their widest text column (a source line is
+shortened from the left, keeping the file name, line and function), other lines wrap."""
+_SHRINKABLE = {"line": "left", "what": "right", "op": "right"}
+_MIN_WIDTH = 16
+
+
+_SITE = re.compile(r"^(.*):(\d+) in (.*)$")
+
+
+def _shorten(cell: str, width: int, side: str) -> str:
+    if len(cell) <= width:
+        return cell
+    if side == "right":
+        return cell[: width - 1] + "…"
+    site = _SITE.match(cell)
+    if site is None:
+        return "…" + cell[len(cell) - width + 1 :]
+    # a source line: the file gives way from the left first, keeping the line number and function
+    file, line, function = site.groups()
+    tail = f":{line} in {function}"
+    room = width - len(tail)
+    if room >= 5:
+        return "…" + file[len(file) - room + 1 :] + tail
+    head = f"…{file[-max(room, 4) + 1 :]}:{line} in "
+    return head + function[: max(width - len(head) - 1, 1)] + "…"
+
+
+def _floor(rows: list[list[str]], i: int) -> int:
+    """How narrow column ``i`` may get in the first round: a source line keeps its line number, its
+    function and a few characters of its file; other columns keep :data:`_MIN_WIDTH`."""
+    header = rows[0][i]
+    if _SHRINKABLE[header] != "left":
+        return max(_MIN_WIDTH, len(header))
+    tails = [len(m.group(0)) - len(m.group(1)) for row in rows[1:] if (m := _SITE.match(row[i]))]
+    return max(_MIN_WIDTH, len(header), min(max(tails, default=0) + 6, 30))
+
+
+def _fit(rows: list[list[str]], widths: list[int]) -> None:
+    """Narrow the widest shrinkable column, one character at a time, until a row fits in
+    :data:`WIDTH` (in place): first down to each column's floor, then to :data:`_MIN_WIDTH`."""
+    header = rows[0]
+    columns = [i for i, name in enumerate(header) if name in _SHRINKABLE]
+    original = list(widths)
+    for floors in (
+        {i: _floor(rows, i) for i in columns},
+        {i: max(_MIN_WIDTH, len(header[i])) for i in columns},
+    ):
+        while 2 + sum(widths) + 2 * (len(widths) - 1) > WIDTH:
+            candidates = [i for i in columns if widths[i] > floors[i]]
+            if not candidates:
+                break
+            widths[max(candidates, key=lambda c: widths[c] - floors[c])] -= 1
+    for i in columns:
+        if widths[i] < original[i]:
+            for row in rows[1:]:
+                row[i] = _shorten(row[i], widths[i], _SHRINKABLE[header[i]])
+
+
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    _fit(rows, widths)
     lines = []
     for row in rows:
         pairs = enumerate(zip(row, widths, strict=True))
         cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in pairs]
         lines.append("  " + "  ".join(cells).rstrip())
     return lines
+
+
+def _wrap(line: str) -> list[str]:
+    """A line longer than :data:`WIDTH`, wrapped under its own indent (plus two)."""
+    if len(line) <= WIDTH:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    return textwrap.wrap(
+        line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def _roles(title: str, breakdown: Breakdown) -> list[str]:
@@ -82,7 +155,7 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
     mode = " (fake tensors: nothing was allocated)" if log.fake else ""
     if peak.allocation is None:
         out.append(f"memtrim: no allocations inside the region{mode}")
-        return "\n".join(out)
+        return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))
     a = peak.allocation
     node = f" for {safe(a.node)}" if a.node else ""
     label = "the peak was" if analysis.failure else "memtrim: peak"
@@ -130,4 +203,4 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
                 f"    Peak without these {len(d.allocations)} allocation(s): {format_bytes(d.peak_after)} "
                 f"(-{format_bytes(peak.bytes - d.peak_after)})."
             )
-    return "\n".join(out)
+    return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))

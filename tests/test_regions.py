@@ -1,0 +1,130 @@
+"""memtrim.region: named spans in a trace, and `memtrim run --region` recording only inside them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import memtrim
+from memtrim.report import memory_viz, perfetto
+from memtrim.report.series import timeline
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_regions_are_spans_on_the_trace_clock_and_in_the_views() -> None:
+    with memtrim.track() as trace:
+        a = torch.ones(1024)
+        with memtrim.region("step"):
+            b = torch.ones(4096)
+            with memtrim.region("inner"):
+                c = torch.ones(256)
+        d = torch.ones(64)
+    regions = trace.log.regions
+    assert [r.name for r in regions] == ["step", "inner"]
+    ticks = {x.bytes: x.alloc_tick for x in trace.allocations}
+    step, inner = regions
+    assert step.end_tick is not None and inner.end_tick is not None
+    assert (
+        step.start_tick < ticks[4096 * 4] < inner.start_tick < ticks[256 * 4] < inner.end_tick < step.end_tick
+    )
+    assert ticks[1024 * 4] < step.start_tick and ticks[64 * 4] > step.end_tick
+    tl = timeline(trace.analysis)
+    assert [(r.name) for r in tl.regions] == ["step", "inner"]
+    assert dict(tl.region_peaks)["step"] == (1024 + 4096 + 256) * 4  # alive while it was open
+    slices = [e for e in perfetto.chrome_trace(trace.analysis)["traceEvents"] if e.get("cat") == "region"]
+    assert [e["name"] for e in slices] == ["step", "inner"]
+    cpu = memory_viz.device_indices(["cpu"])["cpu"]
+    where = {
+        e["size"]: e["user_metadata"].get("region")
+        for e in memory_viz.snapshot(trace.analysis)["device_traces"][cpu]
+        if e["action"] == "alloc"
+    }
+    assert where == {1024 * 4: None, 4096 * 4: "step", 256 * 4: "inner", 64 * 4: None}
+    del a, b, c, d
+
+
+def test_regions_survive_save_and_load(tmp_path: Path) -> None:
+    with memtrim.track() as trace, memtrim.region("fwd"):
+        x = torch.ones(16)
+    trace.save(str(tmp_path / "t.json"))
+    assert [r.name for r in memtrim.load(str(tmp_path / "t.json")).log.regions] == ["fwd"]
+    del x
+
+
+def test_a_region_outside_any_tracker_does_nothing_and_needs_a_name() -> None:
+    with memtrim.region("untracked"):
+        y = torch.ones(8) * 2
+    assert y.sum().item() == 16
+    with pytest.raises(ValueError, match="non-empty name"), memtrim.region(""):
+        pass
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import torch, memtrim
+    model = torch.randn(1024, 1024)          # 4 MiB built outside the region: not recorded
+    for step in range({steps}):
+        with memtrim.region("step"):
+            x = torch.randn(256, 1024)       # 1 MiB
+            y = x @ model                    # 1 MiB
+            scratch = torch.ones({scratch} * (step + 1))
+            del scratch
+    after = torch.ones(4 * 1024 * 1024)      # 16 MiB after the region: not recorded
+    """
+)
+
+
+def _run(tmp_path: Path, *args: str, steps: int = 1, scratch: int = 1024) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "train.py").write_text(PROGRAM.format(steps=steps, scratch=scratch))
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, "-m", "memtrim", "run", *args, "train.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_run_region_records_only_inside_the_region(tmp_path: Path) -> None:
+    done = _run(tmp_path, "-o", "t.json", "--region", "step")
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    mib = 1024 * 1024
+    # x and y alive, plus the scratch at its largest; nothing of the model or of `after`
+    assert data["peak_bytes"] == 2 * mib + 1024 * 4
+    assert [r[0] for r in data["regions"]] == ["step"]
+    # what the region still held when it ended is output (the script keeps x and y)
+    assert data["breakdown_at_peak"]["output"] == 2 * mib
+    assert all(a["bytes"] != 4 * mib or a["preexisting"] for a in data["allocations"])
+
+
+def test_run_region_entered_several_times_reports_the_highest(tmp_path: Path) -> None:
+    done = _run(tmp_path, "-o", "t.json", "--region", "step", steps=3, scratch=262144)
+    assert done.returncode == 0, done.stderr
+    assert "ran 3 times" in done.stderr and "reporting run 3, the highest" in done.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    largest = max(a["bytes"] for a in data["allocations"] if not a["preexisting"])
+    assert largest == 3 * 262144 * 4
+
+
+def test_run_region_never_entered_says_so(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--region", "nope")
+    assert done.returncode == 1
+    assert "never entered memtrim.region('nope')" in done.stderr
+
+
+def test_run_region_with_fake_tensors(tmp_path: Path) -> None:
+    done = _run(tmp_path, "-o", "t.json", "--fake", "--region", "step")
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["fake"] is True and data["peak_bytes"] == 2 * 1024 * 1024 + 1024 * 4
