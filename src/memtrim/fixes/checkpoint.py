@@ -5,11 +5,12 @@ while grad mode is on: its activations are freed after forward and recomputed, o
 backward. Results and gradients stay bit-for-bit those of the unwrapped model (same ops in the same order,
 RNG state replayed for dropout); the cost is one more forward of each wrapped module.
 
-Patterns match the qualified names of ``model.named_modules()`` as globs over dotted names: ``*`` matches
-one name (no dot), ``**`` any number of names, ``?`` one character, ``[...]`` a set. ``"transformer.h.*"``
-matches GPT-2's blocks ``transformer.h.0`` ... but not ``transformer.h.0.attn``; Llama's are
-``"model.layers.*"``. A compiled ``re.Pattern`` is matched with ``fullmatch`` instead. Only the outermost
-match is wrapped: a module inside a wrapped one is recomputed with it already.
+Patterns match the qualified names of ``model.named_modules()`` as globs over dotted names: ``*``
+matches one name (no dot; the model itself is named ``""`` and matches only ``""``), ``**`` any number
+of names, ``?`` one character, ``[...]`` a set. ``"transformer.h.*"`` matches GPT-2's blocks
+``transformer.h.0`` ... but not ``transformer.h.0.attn``; Llama's are ``"model.layers.*"``. A compiled
+``re.Pattern`` is matched with ``fullmatch`` instead. Only the outermost match is wrapped: a module
+inside a wrapped one is recomputed with it already.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
         elif pattern.startswith("**", i):
             out.append(r".*")
             i += 2
-        elif ch == "*":
-            out.append(r"[^.]*")
+        elif ch == "*":  # one name: never empty, so "*" does not match the root module ("")
+            out.append(r"[^.]+")
             i += 1
         elif ch == "?":
             out.append(r"[^.]")
