@@ -53,6 +53,10 @@ def _demo(args: argparse.Namespace) -> int:
         from memtrim.cases.gsq import main as gsq_main
 
         return gsq_main(args.rest)
+    if args.case == "gpt":
+        from memtrim.cases.gpt_demo import gpt_demo
+
+        return gpt_demo(args.rest)
     from memtrim.cases.demo import heads_demo
 
     return heads_demo(args.rest)
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_show)
 
     demo = sub.add_parser("demo", help="run a built-in case: heads (default) or gsq")
-    demo.add_argument("case", nargs="?", choices=["heads", "gsq"], default="heads")
+    demo.add_argument("case", nargs="?", choices=["heads", "gsq", "gpt"], default="heads")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the case")
     demo.set_defaults(handler=_demo)
     return parser
