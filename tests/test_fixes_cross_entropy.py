@@ -231,6 +231,24 @@ def test_an_empty_batch_matches_torch_in_every_reduction() -> None:
     assert gh.shape == (0, 8) and gw.shape == (11, 8) and gw.abs().max() == 0
 
 
+def test_only_the_gradients_asked_for_are_computed_and_no_grad_works() -> None:
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(300, 8, generator=gen, dtype=torch.float64)  # a frozen lm_head
+    t = torch.randint(0, 300, (2, 5), generator=gen)
+    loss = chunked_linear_cross_entropy(h, w, t, chunk_size=2)
+    (gh,) = torch.autograd.grad(loss, h)
+    (want,) = torch.autograd.grad(unfused(h, w, t), h)
+    torch.testing.assert_close(gh, want, rtol=1e-12, atol=1e-15)
+    w.requires_grad_()
+    (gw,) = torch.autograd.grad(chunked_linear_cross_entropy(h.detach(), w, t, chunk_size=2), w)
+    (want_w,) = torch.autograd.grad(unfused(h.detach(), w, t), w)
+    torch.testing.assert_close(gw, want_w, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():
+        per_token = chunked_linear_cross_entropy(h, w, t, reduction="none")
+    assert per_token.shape == (2, 5) and not per_token.requires_grad
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.integers(0, 40),
