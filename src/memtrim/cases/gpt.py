@@ -3,7 +3,7 @@
 The model: token + position embedding, ``layers`` blocks of causal self-attention and a GELU MLP (pre-norm,
 LayerNorm), a final LayerNorm and an ``lm_head`` tied to the token embedding (or not). Nothing is
 downloaded: weights are drawn from a seed. At the default size (GPT-2's vocabulary of 50257, 4 x 64
-tokens, width 128, 2 blocks) one AdamW step takes well under a second on two CPU cores, and the
+tokens, width 128, 2 blocks) one AdamW step took about 3 s on two shared, loaded CPU cores, and the
 ``[tokens, vocab]`` logits (51 MB in fp32) dominate the step's peak, as they do for real models.
 
 - :func:`original_step`: the way training loops are usually written: ``out = model(x)`` keeps the output
@@ -11,7 +11,8 @@ tokens, width 128, 2 blocks) one AdamW step takes well under a second on two CPU
   ``F.cross_entropy(out.logits.view(-1, V), y.view(-1))`` builds the loss from the full logits.
 - :func:`fixed_step`: the prescriptions of :mod:`memtrim.fixes`: the hidden states go straight into
   :func:`~memtrim.fixes.chunked_linear_cross_entropy` with the lm_head's weight, so no ``[tokens, vocab]``
-  buffer is ever made; optionally, :func:`~memtrim.fixes.checkpoint_modules` on the blocks.
+  buffer is ever made (``memtrim demo gpt --checkpoint`` also applies
+  :func:`~memtrim.fixes.checkpoint_modules` to the blocks).
 """
 
 from __future__ import annotations
