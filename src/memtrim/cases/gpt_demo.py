@@ -22,8 +22,8 @@ ORIGINAL = """\
      out = model(x)                                  # the output object keeps the logits
      loss = F.cross_entropy(out.logits.view(-1, V), y.view(-1))
      loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)"""
+FIXED_IMPORT = "     from memtrim.fixes import chunked_linear_cross_entropy"
 FIXED = """\
-     from memtrim.fixes import chunked_linear_cross_entropy
      loss = chunked_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
      loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)"""
 
@@ -69,9 +69,13 @@ def gpt_demo(argv: Sequence[str] | None = None) -> int:
     print(f"\n   (one [{tokens}, {cfg.vocab}] fp32 logits buffer is {format_bytes(logits)})\n")
 
     print("2. The prescription, from memtrim.fixes:\n")
+    if handle is None:
+        print(FIXED_IMPORT)
+    else:
+        print(FIXED_IMPORT + ", checkpoint_modules")
+        wrapped = ", ".join(handle.wrapped)
+        print(f'     checkpoint_modules(model, "blocks.*")   # once, before training: {wrapped}')
     print(FIXED)
-    if handle is not None:
-        print(f'     checkpoint_modules(model, "blocks.*")       # wrapped {", ".join(handle.wrapped)}')
     first_after = after()
     with track() as tracked_after:
         loss_after = after()
