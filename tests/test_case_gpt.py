@@ -8,20 +8,18 @@ shapes, held against torch.profiler's allocation events recorded in the same run
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 from groundtruth import memtrim_deltas, profiler_memory
 
 import memtrim
 from memtrim.cases import gpt
+from memtrim.cases.gpt_demo import gpt_demo
+from memtrim.cli import build_parser
 from memtrim.fixes.cross_entropy import tiling
 from memtrim.verify import verify
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 SMALL = gpt.GPTConfig(vocab=8000, context=32, width=64, layers=2, heads=2)
 
 
@@ -32,9 +30,9 @@ def test_both_steps_train_and_follow_the_same_losses() -> None:
     for name, step in (("original", gpt.original_step), ("fixed", gpt.fixed_step)):
         model = gpt.GPT(cfg)
         opt = gpt.optimizer(model, lr=3e-3)
-        runs[name] = [step(model, opt, x, y) for _ in range(8)]
+        runs[name] = [step(model, opt, x, y) for _ in range(6)]
     for losses in runs.values():
-        assert losses[-1] < losses[0] - 1.0  # memorising one batch: the loss falls fast
+        assert losses[-1] < losses[0] - 0.5  # memorising one batch: the loss falls fast
         assert all(b < a for a, b in itertools.pairwise(losses))
     torch.testing.assert_close(torch.tensor(runs["fixed"]), torch.tensor(runs["original"]), rtol=1e-4, atol=0)
 
@@ -101,19 +99,12 @@ def test_the_fixed_step_peak_is_lower_by_the_bytes_the_shapes_predict() -> None:
     assert saved > 3 * logits - 3 * embedding
 
 
-def test_memtrim_demo_gpt_runs_end_to_end(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run(
-        [sys.executable, "-m", "memtrim", "demo", "gpt", "--vocab", "3000", "--repeats", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+def test_memtrim_demo_gpt_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["demo", "gpt", "--vocab", "9"]).rest == ["--vocab", "9"]
+    argv = ["--vocab", "3000", "--context", "16", "--batch", "2", "--width", "32", "--repeats", "1"]
+    assert gpt_demo(argv) == 0
+    out = capsys.readouterr().out
     for section in ("1. Track the original step", "2. The prescription", "3. Verify", "4. Side by side"):
         assert section in out
     assert "_log_softmax_backward_data" in out and "PASSED" in out and "peak above start" in out
-    assert "[256, 3000] fp32 logits buffer is 2.93 MiB" in out
+    assert "[32, 3000] fp32 logits buffer is 375 KiB" in out
