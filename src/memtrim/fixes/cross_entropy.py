@@ -329,10 +329,12 @@ def chunked_linear_cross_entropy(
     ``label_smoothing`` mean what they mean in ``F.cross_entropy``; an empty batch gives what it gives
     (nan for the mean). Gradients flow to ``hidden``, ``weight`` and ``bias``; not twice-differentiable.
 
-    ``chunk_size``: tokens per tile; None picks one from a memory budget (:func:`auto_chunk_size`: a tile
-    within 1/8 of the weight's bytes, at least 8 MiB). Peak memory of forward + backward is then about
-    ``weight.grad`` + ``hidden.grad`` + one tile, instead of four ``[tokens, vocab]`` buffers; each chunk's
-    logits are computed twice (forward and backward), a third more matmul work than the unfused loss.
+    ``chunk_size``: the memory of one tile, in tokens: a tile holds ``chunk_size * vocab`` logits (laid out
+    as :func:`tiling` says: all tokens by a block of the vocabulary where it can). None picks it from a
+    budget (:func:`auto_chunk_size`: a tile within 1/8 of the weight's bytes, at least 8 MiB). Peak
+    memory of forward + backward is then about ``weight.grad`` + ``hidden.grad`` + one tile, instead of
+    three or four ``[tokens, vocab]`` buffers; each tile's logits are computed twice (forward and
+    backward), a third more matmul work than the unfused loss.
 
     Under ``torch.autocast`` it computes as ``hidden @ weight.T`` then ``F.cross_entropy`` would there:
     logits in the autocast dtype, the loss in fp32.
