@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/memtrim demo
+	$(BIN)/memtrim demo gpt
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -46,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/heads.py
 	$(BIN)/python bench/gsq.py
 	$(BIN)/python bench/verify.py
+	$(BIN)/python bench/fixes.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

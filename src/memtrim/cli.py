@@ -326,6 +326,10 @@ def _demo(args: argparse.Namespace) -> int:
         from memtrim.cases.gsq import main as gsq_main
 
         return gsq_main(args.rest)
+    if args.case == "gpt":
+        from memtrim.cases.gpt_demo import gpt_demo
+
+        return gpt_demo(args.rest)
     from memtrim.cases.demo import heads_demo
 
     return heads_demo(args.rest)
@@ -403,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--top", type=rows, default=10, help="lines listed (default 10)")
     compare.set_defaults(handler=_diff)
 
-    demo = sub.add_parser("demo", help="run a built-in case: heads (default) or gsq")
-    demo.add_argument("case", nargs="?", choices=["heads", "gsq"], default="heads")
+    demo = sub.add_parser("demo", help="run a built-in case: heads (default), gsq or gpt")
+    demo.add_argument("case", nargs="?", choices=["heads", "gsq", "gpt"], default="heads")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the case")
     demo.set_defaults(handler=_demo)
     return parser
