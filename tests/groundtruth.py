@@ -14,6 +14,7 @@ What remains must match memtrim event for event.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -88,7 +89,12 @@ def profiled_memory(prof: profile) -> ProfiledMemory:
 
 @contextlib.contextmanager
 def profiler_memory() -> Iterator[ProfiledMemory]:
-    """Profile the block's CPU allocations; the yielded object is filled in when the block exits."""
+    """Profile the block's CPU allocations; the yielded object is filled in when the block exits.
+
+    Garbage left by earlier code is collected first: a collection that ran inside the block would free
+    storages the block never used, which the profiler sees and a tracker of the block rightly does not.
+    """
+    gc.collect()
     result = ProfiledMemory()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield result
