@@ -102,6 +102,11 @@ _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 # nothing.
 _DETACH = torch.ops.aten.detach.default
 _detach = _DETACH._op
+# Not recorded either: a fake tensor's ``.device`` is answered by dispatching prim.device (FakeTensor
+# sets dispatch_device), a query that allocates nothing. Autograd asks it while it builds an op's
+# node, before the output holds that node: treated as an op it would stamp the node too early.
+_DEVICE = torch.ops.prim.device.default
+_device = _DEVICE._op
 
 
 class _OpInfo:
@@ -151,9 +156,13 @@ class Recorder(TorchDispatchMode):
         # and only matters when the mode is used inside a torch.compile'd function.
         return False
 
-    def __init__(self, trace: TraceLog) -> None:
+    def __init__(self, trace: TraceLog, fake_mode: Any = None) -> None:
         super().__init__()
         self.trace = trace
+        # the FakeTensorMode below this one (track(fake=True)): it gives tensors from before the
+        # region fake twins with storages of their own, which are the same memory
+        self._fake_mode = fake_mode
+        self._twins: list[torch.Tensor] = []
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
         self._ops = trace.ops.rows
@@ -173,6 +182,8 @@ class Recorder(TorchDispatchMode):
         # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
         if func is _DETACH:
             return _detach(*args, **kwargs) if kwargs else _detach(*args)
+        if func is _DEVICE:
+            return _device(*args)
         if kwargs is None:
             kwargs = {}
         if not self._open:
@@ -244,7 +255,7 @@ class Recorder(TorchDispatchMode):
         if written:
             self._record_resizes(written, seq, call_site)
         if info.lifts:
-            self._record_lifted(args, seq, call_site)
+            self._record_lifted(out, seq, call_site)
 
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
@@ -285,8 +296,10 @@ class Recorder(TorchDispatchMode):
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
 
-    def _record_lifted(self, args: Any, seq: int, call_site: Site | None) -> None:
-        for t in _tensors(args):
+    def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
+        # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
+        # the program goes on using in both
+        for t in _tensors(out):
             storage = t.untyped_storage()
             if storage._cdata not in self._watches and storage.nbytes():
                 self._start_watch(storage, self._new_allocation(t, storage.nbytes(), seq, call_site))
@@ -296,10 +309,35 @@ class Recorder(TorchDispatchMode):
         rows.append(_row(AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)))
         return len(rows) - 1
 
-    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> None:
+    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> int:
         rows = self._rows
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
-        self._start_watch(storage, len(rows) - 1)
+        index = len(rows) - 1
+        self._start_watch(storage, index)
+        if self._fake_mode is not None:
+            self._watch_fake_twin(t, index)
+        return index
+
+    def _watch_fake_twin(self, t: torch.Tensor, index: int) -> None:
+        """Under FakeTensorMode, a real tensor from before the region is used through a fake twin
+        that the mode's converter makes and memoises while the twin lives. Held here until the end,
+        every op gets the same twin, whose storage is the real one's memory, not a new allocation."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t, FakeTensor):
+            return
+        mode = self._fake_mode
+        try:
+            twin = mode.fake_tensor_converter.from_real_tensor(mode, t)
+            storage = twin.untyped_storage()
+        except Exception:
+            return  # a tensor the mode cannot convert: the op itself will say so
+        self._twins.append(twin)
+        if storage._cdata not in self._watches:
+            # no free callback: the twin lives until the end, and the real storage's free counts
+            watch = _StorageWatch(storage)
+            watch.index, watch.key = index, storage._cdata
+            self._watches[watch.key] = watch
 
     def _start_watch(self, storage: Any, index: int) -> None:
         watch = _StorageWatch(storage, self._on_free)
@@ -414,4 +452,5 @@ class Recorder(TorchDispatchMode):
                     recorded.saved.add(index)
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
+        self._twins.clear()
         self.trace.finished = True
