@@ -15,15 +15,15 @@ from torch.utils.checkpoint import checkpoint
 
 import memtrim
 
+FIELDS = (
+    "op", "phase", "file", "line", "function", "node", "module", "call_site", "bytes", "dtype", "shape",
+    "device", "alloc_tick", "free_tick", "free_phase", "saved", "preexisting", "facts",
+)  # fmt: skip
+
 
 def attribution(trace: memtrim.Trace) -> list[tuple[Any, ...]]:
     return [
-        (
-            a.op, a.phase, trace.role(a), trace.category(a), a.file, a.line, a.function, a.node, a.module,
-            a.call_site, a.bytes, a.dtype, a.shape, a.device, a.alloc_tick, a.free_tick, a.free_phase,
-            a.saved, a.preexisting, a.facts,
-        )  # fmt: skip
-        for a in trace.allocations
+        (trace.role(a), trace.category(a), *(getattr(a, name) for name in FIELDS)) for a in trace.allocations
     ]
 
 
