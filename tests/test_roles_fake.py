@@ -118,7 +118,9 @@ def test_built_in_backward_nodes_with_an_optimizer_step() -> None:
 
         return body
 
-    assert_fake_matches_real(make)
+    real = assert_fake_matches_real(make)
+    roles = {real.role(a) for a in real.allocations}
+    assert {"parameter", "gradient", "optimizer_state", "activation", "buffer"} <= roles
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

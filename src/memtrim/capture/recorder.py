@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrim.capture.facts import ACCUMULATE_GRAD, FactRecorder
 from memtrim.capture.frames import (
     ENGINE,
     INTERNAL,
@@ -28,7 +29,8 @@ from memtrim.capture.frames import (
     inside_function_forward,
     user_site,
 )
-from memtrim.trace.model import AllocationLog, AllocRow, FreeRow, OpRow, Phase, Site, TraceLog
+from memtrim.capture.modules import modules_with_buffers
+from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node
@@ -175,12 +177,29 @@ class Recorder(TorchDispatchMode):
         self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
         # forward ops run under the user's saved-tensor hooks, whose nodes are not read
         self._under_user_hooks: set[int] = set()
+        # ops the engine ran for an AccumulateGrad node
+        self._accumulating: set[int] = set()
+        self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_preexisting)
         self._open = True
+
+    def __enter__(self) -> Recorder:
+        self._facts.install()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._facts.remove()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._facts.remove()
+        super().__exit__(*exc)
 
     # -- ops ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
         if func is _DETACH:
+            if type(node := _current_autograd_node()) is ACCUMULATE_GRAD and self._open:
+                self._accumulate_grad(node, args[0] if args else None)  # stealing the gradient?
             return _detach(*args, **kwargs) if kwargs else _detach(*args)
         if func is _DEVICE:
             return _device(*args)
@@ -230,7 +249,12 @@ class Recorder(TorchDispatchMode):
             # An op the engine ran for a built-in node has no user frame of its own: point at the
             # forward line that made the node. Code inside a custom backward keeps its own line.
             if between == ENGINE or call_site is None:
-                site, module = _metadata(node).get(NODE_STAMP) or (site, module)
+                stamped = _metadata(node).get(NODE_STAMP)
+                if stamped is not None:
+                    site, module = stamped
+                elif type(node) is ACCUMULATE_GRAD:  # what it makes is the leaf's new .grad
+                    self._accumulating.add(len(self._ops))
+                    self._facts.accumulating(node)
         else:
             node_name = None
             if between == ENGINE:
@@ -296,6 +320,17 @@ class Recorder(TorchDispatchMode):
             if storage._cdata not in watches:
                 self._watch_preexisting(t, storage)
 
+    def _accumulate_grad(self, node: Any, gradient: Any) -> None:
+        """A detach under an AccumulateGrad node. Run by the engine itself (no Python frame between),
+        it steals the incoming gradient as the leaf's .grad; one called from a hook on the leaf (an
+        optimizer stepping in backward) is not a gradient."""
+        try:
+            caller = _getframe(2)  # __torch_dispatch__'s caller
+        except ValueError:  # no Python frame at all: an autograd device thread
+            caller = None
+        if caller is None or caller.f_code is _ENGINE_RUN:
+            self._facts.accumulated(node, gradient)
+
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
         # the program goes on using in both
@@ -314,6 +349,7 @@ class Recorder(TorchDispatchMode):
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
         index = len(rows) - 1
         self._start_watch(storage, index)
+        self._facts.preexisting(t, index)
         if self._fake_mode is not None:
             self._watch_fake_twin(t, index)
         return index
@@ -441,7 +477,14 @@ class Recorder(TorchDispatchMode):
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
+        self._facts.finish(modules_with_buffers())
+        self._facts.remove()
         self._open = False
+        if accumulating := self._accumulating:
+            recorded = self._recorded
+            for index, row in enumerate(recorded.rows):
+                if row.seq in accumulating:
+                    recorded.add_fact(index, Fact.GRADIENT)
         # What autograd saved under the user's own saved-tensor hooks could not be read from the
         # nodes: fall back to lifetime (autograd frees what it saved as backward consumes it).
         if under_hooks := self._under_user_hooks:
