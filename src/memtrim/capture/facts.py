@@ -53,9 +53,9 @@ class Watch(Protocol):
     """The allocation row of the watched storage."""
 
 
-WatchUnseen = Callable[[torch.Tensor, Any], int]
+WatchUnseen = Callable[[torch.Tensor, Any], Watch]
 """``watch_unseen(tensor, storage)``: watch a storage the region has not seen as one from before the
-region; returns its allocation row."""
+region."""
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -161,7 +161,7 @@ class FactRecorder:
             if watch is not None:
                 self._add(watch.index, fact)
             elif watch_unseen and storage.nbytes():
-                self._add(self._watch_unseen(t, storage), fact)
+                self._add(self._watch_unseen(t, storage).index, fact)
         except _NO_STORAGE:
             pass
 

@@ -344,15 +344,14 @@ class Recorder(TorchDispatchMode):
         rows.append(_row(AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)))
         return len(rows) - 1
 
-    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> int:
+    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
         rows = self._rows
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
-        index = len(rows) - 1
-        self._start_watch(storage, index)
-        self._facts.preexisting(t, index)
+        watch = self._start_watch(storage, len(rows) - 1)
+        self._facts.preexisting(t, watch.index)
         if self._fake_mode is not None:
-            self._watch_fake_twin(t, index)
-        return index
+            self._watch_fake_twin(t, watch.index)
+        return watch
 
     def _watch_fake_twin(self, t: torch.Tensor, index: int) -> None:
         """Under FakeTensorMode, a real tensor from before the region is used through a fake twin
@@ -375,11 +374,12 @@ class Recorder(TorchDispatchMode):
             watch.index, watch.key = index, storage._cdata
             self._watches[watch.key] = watch
 
-    def _start_watch(self, storage: Any, index: int) -> None:
+    def _start_watch(self, storage: Any, index: int) -> _StorageWatch:
         watch = _StorageWatch(storage, self._on_free)
         watch.index = index
         watch.key = storage._cdata
         self._watches[watch.key] = watch
+        return watch
 
     def _on_free(self, watch: _StorageWatch) -> None:
         if not self._open:
