@@ -246,4 +246,5 @@ def test_cuda_out_of_memory_messages_give_the_requested_bytes() -> None:
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity"
     )
     assert requested_bytes(cuda) == 20 * 2**20
+    assert requested_bytes("CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has") == 512
     assert requested_bytes("ValueError: shapes do not match") is None

@@ -158,3 +158,19 @@ def test_control_sequences_in_a_trace_never_reach_the_terminal(
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out and "\r" not in out
     assert "\\x1b]0;owned\\x07evil.py" in out and "\\u202e" in out
+
+
+def test_a_file_that_names_the_first_schemas_op_columns_loads(trace: memtrim.Trace, tmp_path: Path) -> None:
+    data = _saved_dict(trace, tmp_path)
+    data["op_columns"] = data["op_columns"][:-1]
+    data["ops"] = [row[:-1] for row in data["ops"]]
+    data["failed_op"] = None
+    path = tmp_path / "no-inputs.json"
+    path.write_text(json.dumps(data))
+    loaded = memtrim.load(str(path))
+    assert [op.inputs for op in loaded.ops] == [()] * len(trace.ops)
+    assert loaded.peak_bytes == trace.peak_bytes
+    data["op_columns"] = ["tick", "op"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(memtrim.TraceFormatError, match="op_columns should be"):
+        memtrim.load(str(path))

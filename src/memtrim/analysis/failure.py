@@ -20,6 +20,7 @@ REQUEST_PARSERS: Registry[str, RequestParser] = Registry(
 """Tried in order on the error text; the first that finds a size gives the failed request's bytes."""
 
 _UNITS = {
+    "bytes": 1,
     "B": 1,
     "KiB": 2**10,
     "MiB": 2**20,
@@ -40,8 +41,8 @@ def _cpu(text: str) -> int | None:
 
 @REQUEST_PARSERS.register("cuda")
 def _cuda(text: str) -> int | None:
-    # CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; ...)
-    found = re.search(r"Tried to allocate (\d+(?:\.\d+)?) ?(B|KiB|MiB|GiB|TiB|KB|MB|GB)\b", text)
+    # CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; ...); small requests print "512 bytes"
+    found = re.search(r"Tried to allocate (\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB)\b", text)
     return round(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
 
 

@@ -74,13 +74,16 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
     means made in forward and freed in backward.
     """
     trace = TraceLog(fake=fake)
-    recorder = Recorder(trace)
+    fake_mode = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    recorder = Recorder(trace, fake_mode)
     cuda = _CudaPeak()
     with contextlib.ExitStack() as stack:
-        if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
         cuda.begin()
         stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
         stack.enter_context(recorder)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrim.capture.facts import ACCUMULATE_GRAD, FactRecorder
 from memtrim.capture.frames import (
     ENGINE,
     INTERNAL,
@@ -28,7 +29,8 @@ from memtrim.capture.frames import (
     inside_function_forward,
     user_site,
 )
-from memtrim.trace.model import AllocationLog, AllocRow, FreeRow, OpRow, Phase, Site, TraceLog
+from memtrim.capture.modules import modules_with_buffers
+from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node
@@ -102,6 +104,11 @@ _LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 # nothing.
 _DETACH = torch.ops.aten.detach.default
 _detach = _DETACH._op
+# Not recorded either: a fake tensor's ``.device`` is answered by dispatching prim.device (FakeTensor
+# sets dispatch_device), a query that allocates nothing. Autograd asks it while it builds an op's
+# node, before the output holds that node: treated as an op it would stamp the node too early.
+_DEVICE = torch.ops.prim.device.default
+_device = _DEVICE._op
 
 
 class _OpInfo:
@@ -151,9 +158,13 @@ class Recorder(TorchDispatchMode):
         # and only matters when the mode is used inside a torch.compile'd function.
         return False
 
-    def __init__(self, trace: TraceLog) -> None:
+    def __init__(self, trace: TraceLog, fake_mode: Any = None) -> None:
         super().__init__()
         self.trace = trace
+        # the FakeTensorMode below this one (track(fake=True)): it gives tensors from before the
+        # region fake twins with storages of their own, which are the same memory
+        self._fake_mode = fake_mode
+        self._twins: list[torch.Tensor] = []
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
         self._ops = trace.ops.rows
@@ -166,13 +177,32 @@ class Recorder(TorchDispatchMode):
         self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
         # forward ops run under the user's saved-tensor hooks, whose nodes are not read
         self._under_user_hooks: set[int] = set()
+        # ops the engine ran for an AccumulateGrad node
+        self._accumulating: set[int] = set()
+        self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_preexisting)
         self._open = True
+
+    def __enter__(self) -> Recorder:
+        self._facts.install()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._facts.remove()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._facts.remove()
+        super().__exit__(*exc)
 
     # -- ops ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # The hottest code in memtrim: one call per aten op. Keep it flat; move rare cases out.
         if func is _DETACH:
+            if type(node := _current_autograd_node()) is ACCUMULATE_GRAD and self._open:
+                self._accumulate_grad(node, args[0] if args else None)  # stealing the gradient?
             return _detach(*args, **kwargs) if kwargs else _detach(*args)
+        if func is _DEVICE:
+            return _device(*args)
         if kwargs is None:
             kwargs = {}
         if not self._open:
@@ -223,7 +253,12 @@ class Recorder(TorchDispatchMode):
             # An op the engine ran for a built-in node has no user frame of its own: point at the
             # forward line that made the node. Code inside a custom backward keeps its own line.
             if between == ENGINE or call_site is None:
-                site, module = _metadata(node).get(NODE_STAMP) or (site, module)
+                stamped = _metadata(node).get(NODE_STAMP)
+                if stamped is not None:
+                    site, module = stamped
+                elif type(node) is ACCUMULATE_GRAD:  # what it makes is the leaf's new .grad
+                    self._accumulating.add(len(self._ops))
+                    self._facts.accumulating(node)
         else:
             node_name = None
             if between == ENGINE:
@@ -248,7 +283,7 @@ class Recorder(TorchDispatchMode):
         if written:
             self._record_resizes(written, seq, call_site)
         if info.lifts:
-            self._record_lifted(args, seq, call_site)
+            self._record_lifted(out, seq, call_site)
 
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
@@ -290,8 +325,21 @@ class Recorder(TorchDispatchMode):
             watch = watches.get(storage._cdata)
             inputs.append((watch or self._watch_preexisting(t, storage)).index)
 
-    def _record_lifted(self, args: Any, seq: int, call_site: Site | None) -> None:
-        for t in _tensors(args):
+    def _accumulate_grad(self, node: Any, gradient: Any) -> None:
+        """A detach under an AccumulateGrad node. Run by the engine itself (no Python frame between),
+        it steals the incoming gradient as the leaf's .grad; one called from a hook on the leaf (an
+        optimizer stepping in backward) is not a gradient."""
+        try:
+            caller = _getframe(2)  # __torch_dispatch__'s caller
+        except ValueError:  # no Python frame at all: an autograd device thread
+            caller = None
+        if caller is None or caller.f_code is _ENGINE_RUN:
+            self._facts.accumulated(node, gradient)
+
+    def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
+        # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
+        # the program goes on using in both
+        for t in _tensors(out):
             storage = t.untyped_storage()
             if storage._cdata not in self._watches and storage.nbytes():
                 self._start_watch(storage, self._new_allocation(t, storage.nbytes(), seq, call_site))
@@ -304,7 +352,32 @@ class Recorder(TorchDispatchMode):
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
         rows = self._rows
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
-        return self._start_watch(storage, len(rows) - 1)
+        watch = self._start_watch(storage, len(rows) - 1)
+        self._facts.preexisting(t, watch.index)
+        if self._fake_mode is not None:
+            self._watch_fake_twin(t, watch.index)
+        return watch
+
+    def _watch_fake_twin(self, t: torch.Tensor, index: int) -> None:
+        """Under FakeTensorMode, a real tensor from before the region is used through a fake twin
+        that the mode's converter makes and memoises while the twin lives. Held here until the end,
+        every op gets the same twin, whose storage is the real one's memory, not a new allocation."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t, FakeTensor):
+            return
+        mode = self._fake_mode
+        try:
+            twin = mode.fake_tensor_converter.from_real_tensor(mode, t)
+            storage = twin.untyped_storage()
+        except Exception:
+            return  # a tensor the mode cannot convert: the op itself will say so
+        self._twins.append(twin)
+        if storage._cdata not in self._watches:
+            # no free callback: the twin lives until the end, and the real storage's free counts
+            watch = _StorageWatch(storage)
+            watch.index, watch.key = index, storage._cdata
+            self._watches[watch.key] = watch
 
     def _start_watch(self, storage: Any, index: int) -> _StorageWatch:
         watch = _StorageWatch(storage, self._on_free)
@@ -409,7 +482,14 @@ class Recorder(TorchDispatchMode):
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
+        self._facts.finish(modules_with_buffers())
+        self._facts.remove()
         self._open = False
+        if accumulating := self._accumulating:
+            recorded = self._recorded
+            for index, row in enumerate(recorded.rows):
+                if row.seq in accumulating:
+                    recorded.add_fact(index, Fact.GRADIENT)
         # What autograd saved under the user's own saved-tensor hooks could not be read from the
         # nodes: fall back to lifetime (autograd frees what it saved as backward consumes it).
         if under_hooks := self._under_user_hooks:
@@ -420,4 +500,5 @@ class Recorder(TorchDispatchMode):
                     recorded.saved.add(index)
         self.trace.end_tick = next(self._clock)
         self._watches.clear()
+        self._twins.clear()
         self.trace.finished = True

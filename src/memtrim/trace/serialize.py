@@ -193,7 +193,10 @@ def log_from_dict(data: Any) -> TraceLog:
             raise _fail(where, f"a site number below {len(sites)} or null", value)
         return sites[value]
 
-    columns = OP_COLUMNS if data["schema"] == SCHEMA else OP_COLUMNS_V1
+    # the layout the file says it used: /1 had no inputs column, /2 writers may omit it too
+    columns = data.get("op_columns", OP_COLUMNS if data["schema"] == SCHEMA else OP_COLUMNS_V1)
+    if columns not in (OP_COLUMNS, OP_COLUMNS_V1):
+        raise _fail("op_columns", f"{OP_COLUMNS} or {OP_COLUMNS_V1}", columns)
 
     def op_from_row(row: Any, where: str) -> OpCall:
         if not isinstance(row, list) or len(row) != len(columns):
