@@ -19,7 +19,7 @@ import memtrim
 from memtrim.analysis import Footprint as Memory
 from memtrim.cases.heads import head_results, head_results_broadcast, result_dtype
 from memtrim.verify import CancellationProbe, VerifyReport, verify
-from memtrim.verify.compare import Quantity
+from memtrim.verify.results import Quantity
 
 HeadsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -12,10 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memtrim.verify import verify
-from memtrim.verify.cases import Case, build_inputs
-from memtrim.verify.derive import Upstream, derive
-from memtrim.verify.oracle import ABS_RULES, NotMultilinear, abs_mode
-from memtrim.verify.tolerances import (
+from memtrim.verify.budget import (
     C_REORDER,
     ROUNDING_REGISTRY,
     NoRoundingRule,
@@ -24,6 +21,9 @@ from memtrim.verify.tolerances import (
     rounding_for,
     tensorwise_budget,
 )
+from memtrim.verify.cases import Case, build_inputs
+from memtrim.verify.magnitudes import ABS_RULES, NotMultilinear, abs_mode
+from memtrim.verify.oracle import Upstream, derive
 
 FAST: dict[str, Any] = {"memory": False, "progress": False, "seeds": (0,)}
 
@@ -139,6 +139,8 @@ def test_derive_reports_why_not() -> None:
 
 
 def test_user_supplied_s_judges_each_element() -> None:
+    # mode="reference" on both runs: the verdict must not depend on whether einsum and @ happen to round
+    # alike on this CPU (they are bit-identical on some machines, so "auto" would hold exactly there).
     def ref(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ W)
 
@@ -146,14 +148,26 @@ def test_user_supplied_s_judges_each_element() -> None:
         return torch.tanh(torch.einsum("ij,jk->ik", x, W))
 
     x, W = torch.randn(4, 32, requires_grad=True), torch.randn(32, 8, requires_grad=True)
-    plain = verify(ref, cand, (x, W), dtypes=("fp32",), **FAST)
+    plain = verify(ref, cand, (x, W), dtypes=("fp32",), mode="reference", **FAST)
     assert plain.passed and any("S could not be derived" in n for n in plain.notes)
+    assert {q.rule for c in plain.cases for q in c.quantities} == {"k-times rule on maxima (no S)"}
     # |tanh(y)| <= |y|: S of the inner product bounds the error that reaches the output.
     supplied = verify(
         ref, cand, (x, W), dtypes=("fp32",), mode="reference", abs_reference=lambda x, W: x @ W, **FAST
     )
     assert supplied.passed and not any("S could not be derived" in n for n in supplied.notes)
     assert {q.rule for c in supplied.cases for q in c.quantities} == {"per element, S supplied"}
+
+    # Each element is judged: a candidate off by 1% at one element fails there, and only there.
+    def off_at_one(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        y = cand(x, W)
+        return y + torch.zeros_like(y).index_put_((torch.tensor([1]), torch.tensor([2])), y[1, 2] * 0.01)
+
+    bad = verify(
+        ref, off_at_one, (x, W), dtypes=("fp32",), mode="reference", abs_reference=lambda x, W: x @ W, **FAST
+    )
+    out = [q for c in bad.cases for q in c.quantities if q.name == "output"]
+    assert not bad.passed and all(q.n_over == 1 and q.offending[0]["index"] == (1, 2) for q in out)
 
 
 def test_rounding_registry_is_keyed_by_dtype() -> None:
@@ -265,3 +279,25 @@ def test_s_bounds_the_oracle_and_n_counts_products(b: int, k: int, seed: int) ->
     assert bool((gx.abs() <= sx * (1 + 1e-12)).all()) and bool((gy.abs() <= sy * (1 + 1e-12)).all())
     n, _ = trace(f, x, y, mode="count")
     assert bool((n == k + 1).all())
+
+
+def test_every_verify_registry_refuses_duplicates_and_lists_valid_keys() -> None:
+    from memtrim.registry import DuplicateRegistration, UnknownKey
+    from memtrim.verify import register_abs_rule, register_rounding
+    from memtrim.verify.budget import K_FACTORS
+    from memtrim.verify.cases import DTYPE_ALIASES, LAYOUT_RULES, apply_layout
+
+    with pytest.raises(DuplicateRegistration, match=r"aten\.mul"):
+        register_abs_rule(torch.ops.aten.mul)(lambda ctx, func, args, kwargs: None)
+    with pytest.raises(DuplicateRegistration, match="float16"):
+        register_rounding(torch.float16)(lambda dtype: rounding_for(dtype))
+    for registry in (K_FACTORS, DTYPE_ALIASES, LAYOUT_RULES):
+        key = registry.keys()[0]
+        with pytest.raises(DuplicateRegistration):
+            registry.add(key, registry[key])
+    with pytest.raises(UnknownKey, match="valid: 'contiguous', 'noncontiguous', 'transposed', 'expanded'"):
+        apply_layout(torch.zeros(2), "diagonal")
+    with pytest.raises(UnknownKey, match="valid: 'output', 'grad', 'grad2'"):
+        K_FACTORS["hessian"]
+    # A refused registration leaves the registry as it was.
+    assert ABS_RULES[torch.ops.aten.mul] is not None and rounding_for(torch.float16).u == 2.0**-11

@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from memtrim.trace import dtype_name
+from memtrim.verify.budget import C_REORDER, K_FACTORS
 from memtrim.verify.cases import (
     DEFAULT_SEEDS,
     LAYOUTS,
@@ -18,16 +20,14 @@ from memtrim.verify.cases import (
     Case,
     InputsSpec,
     default_dtypes,
-    dtype_name,
     infer_device,
     parse_dtype,
 )
-from memtrim.verify.execute import Settings, run_case
+from memtrim.verify.config import MODES, Mode, Settings
+from memtrim.verify.judge import run_case
+from memtrim.verify.oracle import OracleCache, oracle_key
 from memtrim.verify.probes import run_probe
-from memtrim.verify.report import VerifyReport
-from memtrim.verify.tolerances import C_REORDER, K_FACTORS
-
-MODES = ("auto", "exact", "reference")
+from memtrim.verify.results import VerifyReport
 
 
 def verify(
@@ -35,7 +35,7 @@ def verify(
     candidate: Callable[..., Any],
     inputs: InputsSpec,
     *,
-    mode: str = "auto",
+    mode: Mode = "auto",
     dtypes: Sequence[torch.dtype | str] | None = None,
     grads: bool = True,
     second_order: bool = False,
@@ -88,15 +88,26 @@ def verify(
     odev = torch.device(oracle_device) if oracle_device is not None else _oracle_device(dev)
     cases = _matrix(specs, dtypes, layouts, seeds, autocast, dev)
     st = Settings(
-        reference, candidate, mode, grads, second_order, dev, odev, abs_reference, reduction_length, c, memory
+        reference=reference,
+        candidate=candidate,
+        mode=mode,
+        grads=grads,
+        second_order=second_order,
+        device=dev,
+        oracle_device=odev,
+        abs_reference=abs_reference,
+        reduction_length=reduction_length,
+        c=c,
+        memory=memory,
     )
+    cache = OracleCache([oracle_key(x) for x in cases])
     report = VerifyReport(mode=mode)
     report.settings = {
         "mode": mode,
         "device": str(dev),
         "oracle_device": str(odev),
         "c": c,
-        "k": dict(K_FACTORS),
+        "k": dict(K_FACTORS.items()),
         "dtypes": sorted({dtype_name(x.dtype) if x.dtype else "as-given" for x in cases}),
         "layouts": list(layouts),
         "seeds": list(seeds),
@@ -107,7 +118,7 @@ def verify(
     }
     with _progress(progress, len(cases) + len(probes)) as advance:
         for case in cases:
-            result, fails = run_case(st, case, specs[case.variant])
+            result, fails = run_case(st, cache, case, specs[case.variant])
             report.cases.append(result)
             report.failures.extend(fails)
             advance(case.id)
@@ -179,7 +190,11 @@ class _progress:
 
 def _notes(st: Settings, report: VerifyReport) -> list[str]:
     notes = []
-    for why, first in st.no_s_reasons.items():
+    no_s: dict[str, str] = {}
+    for c in report.cases:
+        if c.budget_note:
+            no_s.setdefault(c.budget_note, c.case.id)
+    for why, first in no_s.items():
         notes.append(
             f"S could not be derived ({why}; first in {first}): only the k-times rule holds there, judged on "
             "tensor maxima as FlashAttention's tests do (max|cand - oracle| <= k*max(max|orig - oracle|, "

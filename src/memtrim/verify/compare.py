@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memtrim.verify.tolerances import (
+from memtrim.trace import dtype_name
+from memtrim.verify.budget import (
     K_FACTORS,
-    NoRoundingRule,
     Rounding,
     assert_close_tolerances,
     assert_close_verdict,
@@ -18,39 +18,9 @@ from memtrim.verify.tolerances import (
     rounding_for,
     tensorwise_budget,
 )
+from memtrim.verify.results import Quantity, QuantityKind
 
 MAX_SHOWN = 5
-
-
-@dataclass
-class Quantity:
-    """The verdict on one compared tensor (an output, a gradient, a second derivative)."""
-
-    name: str
-    kind: str
-    passed: bool
-    rule: str
-    exact: bool
-    numel: int = 0
-    n_differ: int = 0
-    max_abs_diff: float = 0.0
-    n_over: int = 0
-    worst: dict[str, Any] | None = None
-    offending: list[dict[str, Any]] = field(default_factory=list)
-    norm_err: float | None = None
-    norm_err_orig: float | None = None
-    gamma_n: float | None = None
-    bound: float | None = None
-    n_max: int | None = None
-    u_out: float | None = None
-    u_acc: float | None = None
-    assert_close: bool | None = None
-    assert_close_orig: bool | None = None
-    assert_close_msg: str = ""
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
 
 
 def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -83,8 +53,9 @@ def check_meta(name: str, cand: Any, ref: Any) -> str | None:
         )
     if cand.dtype != ref.dtype:
         return (
-            f"candidate {name} is {_dt(cand.dtype)} where the reference's is {_dt(ref.dtype)}: the candidate "
-            "changes the dtype; compute in the inputs' dtype or cast the result back (e.g. .to(x.dtype))"
+            f"candidate {name} is {dtype_name(cand.dtype)} where the reference's is "
+            f"{dtype_name(ref.dtype)}: the candidate changes the dtype; compute in the inputs' dtype or "
+            "cast the result back (e.g. .to(x.dtype))"
         )
     if cand.shape != ref.shape:
         return (
@@ -94,11 +65,7 @@ def check_meta(name: str, cand: Any, ref: Any) -> str | None:
     return None
 
 
-def _dt(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
-def compare_exact(name: str, kind: str, cand: torch.Tensor, ref: torch.Tensor) -> Quantity:
+def compare_exact(name: str, kind: QuantityKind, cand: torch.Tensor, ref: torch.Tensor) -> Quantity:
     """``torch.equal`` on values (NaN in the same places); the offending indices and values if not."""
     eq = same_values(cand, ref)
     bad = (~eq).reshape(-1).nonzero().reshape(-1)
@@ -138,9 +105,9 @@ class BudgetInputs:
 
 
 def compare_reference(
-    name: str, kind: str, cand: torch.Tensor, b: BudgetInputs, *, c: float, layout: str
+    name: str, kind: QuantityKind, cand: torch.Tensor, b: BudgetInputs, *, c: float, layout: str
 ) -> Quantity:
-    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`.tolerances`."""
+    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`memtrim.verify.budget`."""
     if not (cand.is_floating_point() and b.orig.is_floating_point()):
         return compare_exact(name, kind, cand, b.orig)
     exact = bool(same_values(cand, b.orig).all())
@@ -233,12 +200,4 @@ def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, la
     return f"{what}. The candidate is less accurate than the original (or wrong at a few elements)"
 
 
-__all__ = [
-    "BudgetInputs",
-    "NoRoundingRule",
-    "Quantity",
-    "check_meta",
-    "compare_exact",
-    "compare_reference",
-    "same_values",
-]
+__all__ = ["BudgetInputs", "check_meta", "compare_exact", "compare_reference", "same_values"]

@@ -1,4 +1,7 @@
-"""Run one callable on one set of inputs: forward, gradients, second derivatives; errors and side effects."""
+"""Run one callable on one set of inputs: forward, gradients, second derivatives; errors and side effects.
+
+The runner of one *case* (both callables, then the verdict) is :mod:`memtrim.verify.judge`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,38 +20,10 @@ from torch.utils._pytree import tree_flatten
 from memtrim.analysis.analysis import analyze
 from memtrim.analysis.footprint import Footprint
 from memtrim.capture.api import record
+from memtrim.verify.results import CallError, RunResult
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _VERIFY_DIR = os.path.dirname(__file__)
-
-
-@dataclass
-class CallError:
-    """An exception raised by a callable: in which phase, what, and the user's line that raised it."""
-
-    phase: str
-    type: str
-    message: str
-    where: str | None
-
-    def describe(self) -> str:
-        at = f" at {self.where}" if self.where else ""
-        msg = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        return f"{self.type} in {self.phase}{at}: {msg}"
-
-
-@dataclass
-class RunResult:
-    outputs: list[Any] = field(default_factory=list)
-    spec: Any = None
-    out_requires_grad: list[bool] = field(default_factory=list)
-    detached: list[int] = field(default_factory=list)
-    grads: list[torch.Tensor | None] | None = None
-    grads2: list[torch.Tensor | None] | None = None
-    not_differentiable: list[int] = field(default_factory=list)
-    mutated: list[int] = field(default_factory=list)
-    poisoned: list[int] = field(default_factory=list)
-    error: CallError | None = None
 
 
 def _user_frame(exc: BaseException) -> str | None:

@@ -1,4 +1,6 @@
-"""One case of the matrix: run both callables, check structure and side effects, then compare."""
+"""Judge one case of the matrix: run both callables (:mod:`.run`), check structure and side effects,
+then compare every output and gradient (:mod:`.compare`), bit for bit or against the oracle
+(:mod:`.oracle`)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from memtrim.verify.budget import NoRoundingRule
 from memtrim.verify.cases import (
     Case,
     CaseInputs,
@@ -19,16 +21,15 @@ from memtrim.verify.cases import (
     InputsSpec,
     apply_layout,
     build_inputs,
-    dtype_name,
     expanded_values,
     leaf_names,
     upstream_like,
 )
 from memtrim.verify.compare import BudgetInputs, check_meta, compare_exact, compare_reference
-from memtrim.verify.derive import Derived, Upstream, derive, run_oracle
-from memtrim.verify.report import CaseResult, Failure
-from memtrim.verify.runner import RunResult, measure, run_callable
-from memtrim.verify.tolerances import NoRoundingRule
+from memtrim.verify.config import Settings
+from memtrim.verify.oracle import Oracle, OracleCache, Upstream, derive, oracle_key, run_oracle
+from memtrim.verify.results import CaseResult, Failure, FailureKind, QuantityKind, RunResult
+from memtrim.verify.run import measure, run_callable
 
 INPLACE_HINT = (
     "an in-place op overwrote a tensor that autograd saved for backward; clone it before modifying it, or "
@@ -36,38 +37,25 @@ INPLACE_HINT = (
 )
 
 
-@dataclass
-class Settings:
-    reference: Callable[..., Any]
-    candidate: Callable[..., Any]
-    mode: str
-    grads: bool
-    second_order: bool
-    device: torch.device
-    oracle_device: torch.device
-    abs_reference: Callable[..., Any] | None
-    reduction_length: int | None
-    c: float
-    memory: bool
-    oracle_cache: dict[Any, tuple[RunResult, Derived | None]] = field(default_factory=dict)
-    count_cache: dict[Any, RunResult] = field(default_factory=dict)
-    no_s_reasons: dict[str, str] = field(default_factory=dict)
-
-
-def run_case(st: Settings, case: Case, spec: InputsSpec) -> tuple[CaseResult, list[Failure]]:
+def run_case(
+    st: Settings, cache: OracleCache, case: Case, spec: InputsSpec
+) -> tuple[CaseResult, list[Failure]]:
+    """Run and judge ``case``; its result and the failures found (each naming the case and the fix)."""
     t0 = time.perf_counter()
     res = CaseResult(case)
     fails: list[Failure] = []
 
-    def fail(what: str, kind: str, message: str, **details: Any) -> None:
+    def fail(what: str, kind: FailureKind, message: str, **details: Any) -> None:
         fails.append(Failure(case.id, what, kind, f"{message} (case {case.id})", details))
 
     try:
-        _run_case(st, case, spec, res, fail)
+        _run_case(st, cache, case, spec, res, fail)
     except InputError as exc:
         fail("inputs", "inputs", str(exc))
     except NoRoundingRule as exc:
         fail("budget", "budget", str(exc))
+    finally:
+        cache.done(oracle_key(case))
     if fails:
         res.status = "failed"
         res.note = res.note or fails[0].what
@@ -83,7 +71,14 @@ def _forward_context(case: Case, device: torch.device) -> Callable[[], AbstractC
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail: Callable[..., None]) -> None:
+def _run_case(
+    st: Settings,
+    cache: OracleCache,
+    case: Case,
+    spec: InputsSpec,
+    res: CaseResult,
+    fail: Callable[..., None],
+) -> None:
     inputs = build_inputs(spec, case, st.device)
     fwd = _forward_context(case, st.device)
     canon = Upstream(None, None)
@@ -206,7 +201,7 @@ def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail:
                 )
         res.held = "exact" if all(q.passed for q in exact_qs) else None
         return
-    _judge_reference(st, case, inputs, canon, orig, pairs, res, fail)
+    _judge_reference(st, cache, case, inputs, canon, orig, pairs, res, fail)
 
 
 def _side_effects(
@@ -254,9 +249,9 @@ def _side_effects(
 
 def _pairs(
     inputs: CaseInputs, orig: RunResult, cand: RunResult, out_names: list[str], fail: Callable[..., None]
-) -> list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]]:
+) -> list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]]:
     """(name, kind, candidate, original, where-in-oracle) for every tensor to compare; meta failures."""
-    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]] = []
+    pairs: list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]] = []
     ok = True
     for j, (name, c, o) in enumerate(zip(out_names, cand.outputs, orig.outputs, strict=True)):
         msg = check_meta(name, c, o)
@@ -266,7 +261,11 @@ def _pairs(
         else:
             pairs.append((name, "output", c, o, ("outputs", j)))
     names = inputs.names
-    for field_, kind, label in (("grads", "grad", "grad of"), ("grads2", "grad2", "2nd derivative of")):
+    grad_kinds: tuple[tuple[str, QuantityKind, str], ...] = (
+        ("grads", "grad", "grad of"),
+        ("grads2", "grad2", "2nd derivative of"),
+    )
+    for field_, kind, label in grad_kinds:
         og, cg = getattr(orig, field_), getattr(cand, field_)
         if og is None or cg is None:
             continue
@@ -299,32 +298,34 @@ def _pairs(
 
 def _judge_reference(
     st: Settings,
+    cache: OracleCache,
     case: Case,
     inputs: CaseInputs,
     canon: Upstream,
     orig: RunResult,
-    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]],
+    pairs: list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]],
     res: CaseResult,
     fail: Callable[..., None],
 ) -> None:
-    key = (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
-    cached = st.oracle_cache.get(key)
-    if cached is None:
-        oracle = run_oracle(st.reference, inputs, canon, st.oracle_device)
-        derived = None
-        if oracle.error is None:
-            derived = derive(
+    def make() -> Oracle:
+        run = run_oracle(st.reference, inputs, canon, st.oracle_device)
+        if run.error is not None:
+            return Oracle(run, None)
+        return Oracle(
+            run,
+            derive(
                 st.reference,
                 st.abs_reference,
                 st.reduction_length,
                 inputs,
                 canon,
                 st.oracle_device,
-                st.count_cache,
-            )
-        cached = (oracle, derived)
-        st.oracle_cache[key] = cached
-    oracle, derived = cached
+                cache.counts,
+            ),
+        )
+
+    got = cache.get(oracle_key(case), make)
+    oracle, derived = got.run, got.derived
     if oracle.error is not None or derived is None:
         err = oracle.error.describe() if oracle.error else "no oracle"
         fail(
@@ -335,7 +336,7 @@ def _judge_reference(
         )
         return
     if derived.why_not:
-        st.no_s_reasons.setdefault(derived.why_not, case.id)
+        res.budget_note = derived.why_not
     for name, kind, c, o, (field_, idx) in pairs:
         ora = _get(oracle, field_, idx, o)
         if ora.shape != o.shape:
@@ -410,4 +411,4 @@ def _describe_tree(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-__all__ = ["Settings", "dtype_name", "run_case"]
+__all__ = ["run_case"]

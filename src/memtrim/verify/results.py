@@ -1,28 +1,194 @@
-"""VerifyReport: the verdict per case, the failures (each naming its case and the fix), and renderings."""
+"""Every result memtrim.verify hands back, in one module, each with ``__str__``, ``to_dict()`` and
+``to_markdown()``:
+
+* :class:`VerifyReport` — the whole verdict (what :func:`memtrim.verify.verify` returns);
+* :class:`CaseResult` — one cell of the matrix, with its :class:`Quantity` verdicts (one per compared
+  output or gradient) and both callables' memory (:class:`memtrim.analysis.Footprint`);
+* :class:`Failure` — one reason the candidate is not accepted, naming its case and the fix;
+* :class:`ProbeResult` — one cancellation probe;
+* :class:`RunResult` and :class:`CallError` — what one run of one callable gave (internal, but printable).
+
+>>> f = Failure("float32/contiguous/seed=0", "output", "mismatch", "output differs (case float32/...)")
+>>> str(f)
+'output differs (case float32/...)'
+>>> f.to_markdown()
+'- `float32/contiguous/seed=0`: output differs (case float32/...)'
+>>> f.to_dict()["kind"]
+'mismatch'
+"""
 
 from __future__ import annotations
 
 import io
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from memtrim.analysis.footprint import Footprint, peak_change
+from memtrim.trace import dtype_name
 from memtrim.units import format_bytes
 from memtrim.verify.cases import Case
-from memtrim.verify.compare import Quantity
+
+Status = Literal["passed", "failed", "skipped"]
+Held = Literal["exact", "reference"]
+QuantityKind = Literal["output", "grad", "grad2"]
+FailureKind = Literal[
+    "inputs",
+    "budget",
+    "reference",
+    "exception",
+    "structure",
+    "output-type",
+    "out-of-bounds write",
+    "mutation",
+    "detached",
+    "no-grad",
+    "meta",
+    "mismatch",
+    "probe",
+]
+
+SCHEMA = "memtrim.verify/1"
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+# -- one run of one callable --------------------------------------------------------------------------
+@dataclass
+class CallError:
+    """An exception raised by a callable: in which phase, what, and the user's line that raised it."""
+
+    phase: str
+    type: str
+    message: str
+    where: str | None
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        msg = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type} in {self.phase}{at}: {msg}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "type": self.type, "message": self.message, "where": self.where}
+
+    def to_markdown(self) -> str:
+        return (
+            f"`{self.type}` in {self.phase}"
+            + (f" at `{self.where}`" if self.where else "")
+            + (f": {self.message.strip().splitlines()[0]}" if self.message.strip() else "")
+        )
+
+
+def _tensor_text(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{dtype_name(t.dtype)}{list(t.shape)}"
+    return "None" if t is None else type(t).__name__
+
+
+@dataclass
+class RunResult:
+    """One run of one callable: flat outputs (detached), gradients per differentiable input, and what it
+    did to its inputs (``mutated``: version counter moved; ``poisoned``: hidden NaN slots overwritten)."""
+
+    outputs: list[Any] = field(default_factory=list)
+    spec: Any = None
+    out_requires_grad: list[bool] = field(default_factory=list)
+    detached: list[int] = field(default_factory=list)
+    grads: list[torch.Tensor | None] | None = None
+    grads2: list[torch.Tensor | None] | None = None
+    not_differentiable: list[int] = field(default_factory=list)
+    mutated: list[int] = field(default_factory=list)
+    poisoned: list[int] = field(default_factory=list)
+    error: CallError | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        def texts(ts: list[Any] | None) -> list[str] | None:
+            return None if ts is None else [_tensor_text(t) for t in ts]
+
+        return {
+            "outputs": texts(self.outputs),
+            "grads": texts(self.grads),
+            "grads2": texts(self.grads2),
+            "detached": list(self.detached),
+            "not_differentiable": list(self.not_differentiable),
+            "mutated": list(self.mutated),
+            "poisoned": list(self.poisoned),
+            "error": None if self.error is None else self.error.to_dict(),
+        }
+
+    def __str__(self) -> str:
+        if self.error is not None:
+            return f"raised {self.error}"
+        parts = [f"outputs {', '.join(_tensor_text(o) for o in self.outputs) or 'none'}"]
+        if self.grads is not None:
+            parts.append(f"grads {', '.join(_tensor_text(g) for g in self.grads)}")
+        if self.mutated:
+            parts.append(f"mutated inputs {self.mutated}")
+        return "; ".join(parts)
+
+    def to_markdown(self) -> str:
+        return f"`{self}`"
+
+
+# -- one compared tensor -------------------------------------------------------------------------------
+@dataclass
+class Quantity:
+    """The verdict on one compared tensor (an output, a gradient, a second derivative)."""
+
+    name: str
+    kind: QuantityKind
+    passed: bool
+    rule: str
+    exact: bool
+    numel: int = 0
+    n_differ: int = 0
+    max_abs_diff: float = 0.0
+    n_over: int = 0
+    worst: dict[str, Any] | None = None
+    offending: list[dict[str, Any]] = field(default_factory=list)
+    norm_err: float | None = None
+    norm_err_orig: float | None = None
+    gamma_n: float | None = None
+    bound: float | None = None
+    n_max: int | None = None
+    u_out: float | None = None
+    u_acc: float | None = None
+    assert_close: bool | None = None
+    assert_close_orig: bool | None = None
+    assert_close_msg: str = ""
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dict(self.__dict__))
+
+    def __str__(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        text = f"{self.name}: {verdict} ({self.rule or 'no rule'}), max |diff| {self.max_abs_diff:.3g}"
+        if self.norm_err is not None and self.bound is not None:
+            text += f", norm err {self.norm_err:.2g} / bound {self.bound:.2g}"
+        return text if self.passed else f"{text}: {self.message}"
+
+    def to_markdown(self) -> str:
+        return f"- {_cell(str(self))}"
+
+
+# -- one case, one failure, one probe ------------------------------------------------------------------
 @dataclass
 class Failure:
     """One reason the candidate is not accepted, with the case it happened in."""
 
     case: str
     what: str
-    kind: str
+    kind: FailureKind
     message: str
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -38,16 +204,23 @@ class Failure:
             "details": _jsonable(self.details),
         }
 
+    def to_markdown(self) -> str:
+        return f"- `{self.case}`: {self.message}"
+
 
 @dataclass
 class CaseResult:
+    """One cell of the matrix: its status, which rule held, each compared tensor, both sides' memory."""
+
     case: Case
-    status: str = "passed"  # passed | failed | skipped
-    held: str | None = None  # exact | reference
+    status: Status = "passed"
+    held: Held | None = None
     quantities: list[Quantity] = field(default_factory=list)
     memory_ref: Footprint | str | None = None
     memory_cand: Footprint | str | None = None
     note: str = ""
+    budget_note: str = ""
+    """Why the per-element budget could not be derived here (empty when it was)."""
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -56,7 +229,7 @@ class CaseResult:
 
         return {
             "case": self.case.id,
-            "dtype": str(self.case.dtype).removeprefix("torch.") if self.case.dtype else None,
+            "dtype": dtype_name(self.case.dtype) if self.case.dtype else None,
             "layout": self.case.layout,
             "seed": self.case.seed,
             "variant": self.case.variant,
@@ -64,21 +237,45 @@ class CaseResult:
             "status": self.status,
             "held": self.held,
             "note": self.note,
+            "budget_note": self.budget_note,
             "seconds": round(self.seconds, 4),
-            "quantities": [_jsonable(q.to_dict()) for q in self.quantities],
+            "quantities": [q.to_dict() for q in self.quantities],
             "memory": {"reference": mem(self.memory_ref), "candidate": mem(self.memory_cand)},
         }
+
+    def __str__(self) -> str:
+        head = f"{self.case.id}: {self.status}"
+        if self.held:
+            head += f" (held {self.held})"
+        if self.note and self.status != "passed":
+            head += f": {self.note}"
+        return "\n".join([head, *(f"  {q}" for q in self.quantities)])
+
+    def to_markdown(self) -> str:
+        return "\n".join([f"**{self.case.id}**: {self.status}", *(q.to_markdown() for q in self.quantities)])
 
 
 @dataclass
 class ProbeResult:
+    """One cancellation probe: how many exact zeros it found and whether the candidate kept them."""
+
     name: str
     passed: bool
     zeros: int
     message: str
     original_passed: bool | None = None
 
+    def __str__(self) -> str:
+        return f"probe {self.name}: {'ok' if self.passed else 'FAILED'} - {self.message}"
 
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dict(self.__dict__))
+
+    def to_markdown(self) -> str:
+        return f"- probe `{self.name}`: {'ok' if self.passed else '**FAILED**'} - {self.message}"
+
+
+# -- the whole verdict -----------------------------------------------------------------------------
 @dataclass
 class VerifyReport:
     """What :func:`memtrim.verify.verify` found. ``passed`` is True only if every case ran and held."""
@@ -137,16 +334,7 @@ class VerifyReport:
 
     def table(self) -> Table:
         t = Table(title="memtrim.verify", title_justify="left")
-        for col in (
-            "case",
-            "result",
-            "held",
-            "worst",
-            "max |Δ|",
-            "norm err / γn+u",
-            "assert_close",
-            "peak ref→cand",
-        ):
+        for col in _COLUMNS:
             # the case id is what a reader searches for: never break it across lines
             t.add_column(col, overflow="fold", no_wrap=col in ("case", "peak ref→cand"))
         for c in self.cases:
@@ -168,7 +356,7 @@ class VerifyReport:
         if len(self.failures) > 10:
             console.print(f"  ... and {len(self.failures) - 10} more (see .failures)", markup=False)
         for p in self.probes:
-            console.print(f"  probe {p.name}: {'ok' if p.passed else 'FAILED'} - {p.message}", markup=False)
+            console.print(f"  {p}", markup=False)
         for n in self.notes:
             console.print(f"  note: {n}", markup=False)
 
@@ -178,7 +366,7 @@ class VerifyReport:
     # -- machine-readable --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": "memtrim.verify/1",
+            "schema": SCHEMA,
             "passed": self.passed,
             "mode": self.mode,
             "summary": self.summary(),
@@ -186,27 +374,25 @@ class VerifyReport:
             "seconds": round(self.seconds, 4),
             "failures": [f.to_dict() for f in self.failures],
             "cases": [c.to_dict() for c in self.cases],
-            "probes": [_jsonable(p.__dict__) for p in self.probes],
+            "probes": [p.to_dict() for p in self.probes],
             "notes": list(self.notes),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
+        """``json.dumps(self.to_dict())``."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_markdown(self) -> str:
         lines = [f"**memtrim.verify: {'passed' if self.passed else 'FAILED'}**", ""]
         lines += [f"- {ln}" for ln in self.summary().splitlines()]
-        lines += [
-            "",
-            "| case | result | held | worst | max abs diff | norm err / γn+u | assert_close "
-            "| peak ref → cand |",
-        ]
-        lines += ["|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| " + " | ".join(_MD_COLUMNS) + " |", "|" + "---|" * len(_MD_COLUMNS)]
         for c in self.cases:
-            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in _row(c)) + " |")
+            lines.append("| " + " | ".join(_cell(cell) for cell in _row(c)) + " |")
         if self.failures:
             lines += ["", "Failures:", ""]
-            lines += [f"- `{f.case}`: {f.message}" for f in self.failures[:20]]
+            lines += [f.to_markdown() for f in self.failures[:20]]
+        if self.probes:
+            lines += ["", *(p.to_markdown() for p in self.probes)]
         if self.notes:
             lines += ["", *[f"> {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
@@ -220,6 +406,28 @@ class VerifyReport:
             more = f" (and {len(self.failures) - 1} more failures)" if len(self.failures) > 1 else ""
             raise AssertionError(f"memtrim.verify failed in case {first.case}: {first.message}{more}")
         raise AssertionError("memtrim.verify ran no case: every case was skipped; " + "; ".join(self.notes))
+
+
+_COLUMNS = (
+    "case",
+    "result",
+    "held",
+    "worst",
+    "max |Δ|",
+    "norm err / γn+u",
+    "assert_close",
+    "peak ref→cand",
+)
+_MD_COLUMNS = (
+    "case",
+    "result",
+    "held",
+    "worst",
+    "max abs diff",
+    "norm err / γn+u",
+    "assert_close",
+    "peak ref → cand",
+)
 
 
 def _row(c: CaseResult) -> list[str]:

@@ -34,11 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
+from memtrim.registry import Registry
+from memtrim.trace import dtype_name
+
 C_REORDER = 10.0
 """``c`` in the reordering allowance ``c * sqrt(n) * u_acc * S``; justified in the module docstring."""
 
-K_FACTORS: dict[str, float] = {"output": 2.0, "grad": 3.0, "grad2": 3.0}
-"""``k`` per quantity: outputs, first and second derivatives."""
+K_FACTORS: Registry[str, float] = Registry("k factor", "memtrim.verify.budget.K_FACTORS.add(kind, k)")
+"""``k`` per kind of quantity: outputs, first and second derivatives."""
+K_FACTORS.add("output", 2.0)
+K_FACTORS.add("grad", 3.0)
+K_FACTORS.add("grad2", 3.0)
 
 
 @dataclass(frozen=True)
@@ -53,19 +59,18 @@ class Rounding:
 
 
 RoundingRule = Callable[[torch.dtype], Rounding]
-ROUNDING_REGISTRY: dict[tuple[torch.dtype, bool], RoundingRule] = {}
+ROUNDING_REGISTRY: Registry[tuple[torch.dtype, bool], RoundingRule] = Registry(
+    "rounding rule", "memtrim.verify.register_rounding(dtype, autocast=...)"
+)
 """``(dtype, under_autocast) -> rule``. Register more with :func:`register_rounding`."""
 
 
 def register_rounding(*dtypes: torch.dtype, autocast: bool = False) -> Callable[[RoundingRule], RoundingRule]:
-    """Decorator: ``rule`` gives the :class:`Rounding` of computations in each of ``dtypes``."""
+    """Decorator: ``rule`` gives the :class:`Rounding` of computations in each of ``dtypes``.
 
-    def wrap(rule: RoundingRule) -> RoundingRule:
-        for dtype in dtypes:
-            ROUNDING_REGISTRY[(dtype, autocast)] = rule
-        return rule
-
-    return wrap
+    A dtype registered twice is refused (:class:`memtrim.registry.DuplicateRegistration`).
+    """
+    return ROUNDING_REGISTRY.register(*((dtype, autocast) for dtype in dtypes))
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -101,11 +106,7 @@ def _autocast_half(dtype: torch.dtype) -> Rounding:
     # Those input roundings perturb each product by at most 2u, which the reordering term with
     # u_acc = u(dtype) covers (c * sqrt(n) >= 2), so the budget uses the low dtype's unit roundoff.
     u = unit_roundoff(dtype)
-    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {_name(dtype)}")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {dtype_name(dtype)}")
 
 
 class NoRoundingRule(LookupError):
@@ -117,9 +118,9 @@ def rounding_for(dtype: torch.dtype, *, autocast: bool = False) -> Rounding:
     rule = ROUNDING_REGISTRY.get((dtype, autocast))
     if rule is None:
         raise NoRoundingRule(
-            f"no rounding rule is registered for {_name(dtype)}{' under autocast' if autocast else ''}; "
+            f"no rounding rule is registered for {dtype_name(dtype)}{' under autocast' if autocast else ''}; "
             "judge it with mode='exact' or register one with "
-            "memtrim.verify.tolerances.register_rounding"
+            "memtrim.verify.register_rounding"
         )
     return rule(dtype)
 
