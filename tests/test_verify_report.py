@@ -42,7 +42,7 @@ def test_json_round_trips_and_names_everything(passing: VerifyReport, failing: V
     assert d["schema"] == "memtrim.verify/1" and d["passed"] is True and d["failures"] == []
     assert len(d["cases"]) == len(passing.cases) == 8
     q = d["cases"][0]["quantities"][0]
-    assert {"name", "rule", "norm_err", "gamma_n", "assert_close", "n_max"} <= set(q)
+    assert {"name", "rule", "norm_err", "budget_used", "assert_close", "u_acc"} <= set(q)
     f = json.loads(failing.to_json())
     assert f["passed"] is False and f["failures"][0]["case"] == "float32/contiguous/seed=0"
     # The JSON index is the in-memory one (a tuple) as a list of ints, and points inside the output.
@@ -105,7 +105,8 @@ def test_per_case_assert_close_and_normalized_error() -> None:
     judged = [q for c in r.cases for q in c.quantities]
     assert r.passed and {c.held for c in r.cases} == {"reference"} and len(judged) == 8 * 3
     for q in judged:
-        assert q.assert_close is not None and q.norm_err is not None and q.gamma_n is not None
+        assert q.assert_close is not None and q.norm_err is not None and q.budget_used is not None
+        assert 0 <= q.budget_used <= 1 and q.rule == "per element, budget traced"
 
 
 def test_memory_side_by_side() -> None:

@@ -150,13 +150,14 @@ def _matrix(
         dts: Sequence[torch.dtype | None] = (
             [parse_dtype(d) for d in dtypes] if dtypes is not None else default_dtypes(spec)
         )
+        # dtype, then seed, then layout: the cases that share an oracle run one after another
         for dt in dts:
-            cases += [Case(dt, layout, seed, variant) for layout in layouts for seed in seeds]
+            cases += [Case(dt, layout, seed, variant) for seed in seeds for layout in layouts]
         if autocast:
             ac = (torch.bfloat16,) if dev.type == "cpu" else (torch.float16, torch.bfloat16)
             for dt in ac:
                 cases += [
-                    Case(dt, layout, seed, variant, autocast=True) for layout in layouts for seed in seeds
+                    Case(dt, layout, seed, variant, autocast=True) for seed in seeds for layout in layouts
                 ]
     return cases
 
@@ -190,21 +191,26 @@ class _progress:
 
 def _notes(st: Settings, report: VerifyReport) -> list[str]:
     notes = []
-    no_s: dict[str, str] = {}
+    firsts: dict[str, str] = {}
     for c in report.cases:
-        if c.budget_note:
-            no_s.setdefault(c.budget_note, c.case.id)
-    for why, first in no_s.items():
+        for text in (c.budget_note, *c.remarks):
+            if text:
+                firsts.setdefault(text, c.case.id)
+    for text, first in firsts.items():
+        if any(text == c.budget_note for c in report.cases):
+            notes.append(
+                f"the budget could not be derived ({text}; first in {first}): only the k-times rule holds "
+                "there, judged on tensor maxima as FlashAttention's tests do (max|cand - oracle| <= "
+                "k*max(max|orig - oracle|, u_out*max|oracle|)); pass abs_reference= to judge each element"
+            )
+        else:
+            notes.append(f"{text} (first in {first})")
+    if any(q.rule.startswith("per element") for c in report.cases for q in c.quantities):
         notes.append(
-            f"S could not be derived ({why}; first in {first}): only the k-times rule holds there, judged on "
-            "tensor maxima as FlashAttention's tests do (max|cand - oracle| <= k*max(max|orig - oracle|, "
-            "u_out*max|oracle|)); pass abs_reference= to judge each element"
-        )
-    if any(q.rule.startswith(("per element", "k-times")) for c in report.cases for q in c.quantities):
-        notes.append(
-            f"reference budget: |cand - oracle| <= k*|orig - oracle| + u_out*|oracle| + "
-            f"min(c*sqrt(n), gamma_n/u_acc)*u_acc*S, k = {K_FACTORS['output']:g} (outputs) / "
-            f"{K_FACTORS['grad']:g} (gradients), c = {st.c:g}, u_acc = fp32's for fp16/bf16/fp32 inputs"
+            "reference budget: |cand - oracle| <= k*|orig - oracle| + (1 + r)*(E + u_out*|oracle|), E the "
+            "first-order rounding error of the reference's steps in the case's precision (each step rounded "
+            f"to its dtype, sums of N terms min({st.c:g}*sqrt(N), N)*u_acc*S), r = u_fp64/u (1 in fp64), "
+            f"k = {K_FACTORS['output']:g} (outputs, updated inputs) / {K_FACTORS['grad']:g} (gradients)"
         )
     skipped = sorted({c.case.layout for c in report.cases if c.status == "skipped"})
     if skipped:

@@ -1,16 +1,23 @@
-"""Rounding budgets, looked up in registries of small functions (as torch/utils/flop_counter.py does).
+"""The rounding budget of reference mode: rounding rules per dtype (registries of small functions, as
+``torch/utils/flop_counter.py`` keeps its formulas) and the per-element rule.
 
 A candidate in ``reference`` mode passes an element where
 
-    |cand - oracle| <= k * |orig - oracle| + u_out * |oracle| + min(c * sqrt(n), gamma_n / u_acc) * u_acc * S
+    |cand - oracle| <= k * |orig - oracle| + (1 + r) * (E + u_out * |oracle|)
 
 ``orig`` is the reference run in the case's dtype, ``oracle`` the reference in float64 on the same rounded
-inputs, ``S`` the sum of absolute products behind the element and ``n`` how many products it sums.
+inputs, and E the first-order bound on the rounding error of the reference's computation in the case's
+precision, traced op by op (:mod:`memtrim.verify.magnitudes`): every step rounded to the storage dtype
+(``u``), every reduction of N terms accumulated in any order (``min(c*sqrt(N), N) * u_acc * S``),
+transcendental functions within their documented ulps, incoming errors carried through each op's
+derivative. A correct rewrite that stores no more roundings than the reference's op-by-op form errs by
+at most E; so does the oracle itself in float64, which is what the ``(1 + r)`` covers, with
+``r = u_fp64 / min(u, u_acc)`` (1 for fp64 cases, whose original *is* the oracle; below 2**-29 otherwise).
 
-* ``k`` (:data:`K_FACTORS`): 2 for outputs, 3 for gradients — the multiples FlashAttention's tests allow
-  over a plain PyTorch implementation's error.
+* ``k`` (:data:`K_FACTORS`): 2 for outputs and inputs updated in place, 3 for gradients — the multiples
+  FlashAttention's tests allow over a plain PyTorch implementation's error.
 * ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make.
-* ``u_acc``: unit roundoff of what reductions accumulate in (:func:`rounding_for`).
+* ``u`` and ``u_acc``: the storage and accumulator unit roundoffs of the case (:func:`rounding_for`).
 * ``c`` (:data:`C_REORDER`): see below.
 
 Why ``c = 10``. A legitimate rewrite may sum the same products in another order (a GEMM's blocked order
@@ -19,11 +26,16 @@ bound ``gamma_n * S`` with ``gamma_n = n*u/(1-n*u)``; that bound is rigorous but
 Mary's probabilistic analysis (SIAM J. Sci. Comput. 41(5), 2019, Thm. 3.1) shows that, modelling rounding
 errors as independent and mean-zero, an inner product of length ``n`` in any order has error at most
 ``lambda * sqrt(n) * u * S`` with probability at least ``1 - 2n * exp(-lambda**2 / 2)``. With ``lambda = 10``
-that failure probability is below ``4e-22 * n`` per element: a correct rewrite is never failed by chance,
-even over billions of elements. ``c = 10`` is also tight enough to matter: a rewrite that accumulates fp16 in
-fp16 errs by about ``sqrt(n) * 2**-11 * S``, 800 times the fp32 allowance. Below ``n = c**2`` the
-rigorous bound ``gamma_n`` is the smaller one and is used instead, so the allowance never exceeds what
-any summation order can reach.
+that failure probability is below ``4e-22 * n`` per element. Below ``n = c**2`` the worst case ``gamma_n``
+is the smaller one and is used instead, so the allowance never exceeds what any summation order can reach.
+``c = 10`` is still tight enough to matter: a rewrite that accumulates fp16 in fp16 rounds every partial
+sum to fp16 and falls outside it.
+
+>>> r = rounding_for(torch.bfloat16)
+>>> r.u == 2.0**-8, r.u_acc == 2.0**-24, r.why
+(True, True, 'fp32 accumulate')
+>>> gamma(1000, 2.0**-24) < C_REORDER * 1000**0.5 * 2.0**-24
+False
 """
 
 from __future__ import annotations
@@ -41,10 +53,11 @@ C_REORDER = 10.0
 """``c`` in the reordering allowance ``c * sqrt(n) * u_acc * S``; justified in the module docstring."""
 
 K_FACTORS: Registry[str, float] = Registry("k factor", "memtrim.verify.budget.K_FACTORS.add(kind, k)")
-"""``k`` per kind of quantity: outputs, first and second derivatives."""
+"""``k`` per kind of quantity: outputs, first and second derivatives, inputs updated in place."""
 K_FACTORS.add("output", 2.0)
 K_FACTORS.add("grad", 3.0)
 K_FACTORS.add("grad2", 3.0)
+K_FACTORS.add("update", 2.0)
 
 
 @dataclass(frozen=True)
@@ -140,19 +153,27 @@ def reorder_factor(n: torch.Tensor, u_acc: float, c: float = C_REORDER) -> torch
     return torch.minimum(probabilistic, worst)
 
 
+def oracle_share(r: Rounding) -> float:
+    """``r`` in the budget: the oracle's own float64 error relative to a bound in the case's precision."""
+    return unit_roundoff(torch.float64) / min(r.u, r.u_acc)
+
+
 def elementwise_budget(
     orig_err: torch.Tensor,
     oracle: torch.Tensor,
-    s: torch.Tensor,
-    n: torch.Tensor,
+    e: torch.Tensor,
     *,
     k: float,
     u_out: float,
-    u_acc: float,
-    c: float = C_REORDER,
+    oracle_share: float,
 ) -> torch.Tensor:
-    """The per-element budget (float64) of the rule in the module docstring."""
-    return k * orig_err + u_out * oracle.abs() + reorder_factor(n, u_acc, c) * s
+    """The per-element budget (float64) of the rule in the module docstring.
+
+    >>> one = torch.ones(1, dtype=torch.float64)
+    >>> elementwise_budget(0 * one, one, 2**-52 * one, k=2, u_out=2**-53, oracle_share=1.0) * 2**53
+    tensor([6.], dtype=torch.float64)
+    """
+    return oracle.abs().mul_(u_out).add_(e).mul_(1.0 + oracle_share).add_(orig_err, alpha=k)
 
 
 def tensorwise_budget(orig_err: torch.Tensor, oracle: torch.Tensor, *, k: float, u_out: float) -> float:
@@ -190,7 +211,7 @@ def assert_close_verdict(
     Computed from ``err = |actual - expected|`` (float64) as ``isclose`` does, ``same`` marking
     elements that are identical (so infinities and NaNs in the same places count as close).
     """
-    close = (err <= atol + rtol * expected.abs()) | same
+    close = (err <= expected.abs().mul_(rtol).add_(atol)) | same
     bad = int((~close).sum())
     if bad == 0:
         return True, ""

@@ -233,6 +233,14 @@ def expanded_values(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if dim is None else t.narrow(dim, 0, 1).expand(t.shape).contiguous()
 
 
+def seed_rngs(seed: int, cuda_devices: Sequence[int] = ()) -> None:
+    """``torch.manual_seed(seed)`` for the CPU generator and the given CUDA devices only (torch's own
+    also queues a call, with a stack trace, for every accelerator backend not yet initialised)."""
+    torch.default_generator.manual_seed(seed)
+    for index in cuda_devices:
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
 class InputError(Exception):
     """The inputs of a case could not be built (bad builder, uncastable tensor)."""
 
@@ -270,7 +278,7 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
         try:
             cuda = [device.index or 0] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda):  # seed the builder's draws; leave the caller's RNG be
-                torch.manual_seed(case.seed)
+                seed_rngs(case.seed, cuda)
                 built = spec(dtype if dtype is not None else torch.float32, device, case.seed)
         except Exception as exc:
             raise InputError(

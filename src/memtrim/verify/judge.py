@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from memtrim.verify.budget import NoRoundingRule
+from memtrim.verify.budget import NoRoundingRule, rounding_for
 from memtrim.verify.cases import (
     Case,
     CaseInputs,
@@ -27,7 +27,7 @@ from memtrim.verify.cases import (
 )
 from memtrim.verify.compare import BudgetInputs, check_meta, compare_exact, compare_reference
 from memtrim.verify.config import Settings
-from memtrim.verify.oracle import Oracle, OracleCache, Upstream, derive, oracle_key, run_oracle
+from memtrim.verify.oracle import Oracle, OracleCache, Upstream, oracle_key, run_oracle
 from memtrim.verify.results import CaseResult, Failure, FailureKind, QuantityKind, RunResult
 from memtrim.verify.run import measure, run_callable
 
@@ -179,7 +179,7 @@ def _run_case(
                 "reference's; make both callables return tensors in the same places",
             )
             return
-    if not _side_effects(inputs, orig, cand, case, fail):
+    if not _side_effects(inputs, orig, cand, res, fail):
         return
     pairs = _pairs(inputs, orig, cand, out_names, fail)
     if st.memory:
@@ -205,7 +205,7 @@ def _run_case(
 
 
 def _side_effects(
-    inputs: CaseInputs, orig: RunResult, cand: RunResult, case: Case, fail: Callable[..., None]
+    inputs: CaseInputs, orig: RunResult, cand: RunResult, res: CaseResult, fail: Callable[..., None]
 ) -> bool:
     names = inputs.names
     ok = True
@@ -218,14 +218,44 @@ def _side_effects(
         )
         ok = False
     for i in sorted(set(cand.mutated) - set(orig.mutated)):
+        how = (
+            "through .data or a detached alias (its version counter did not change, so autograd cannot "
+            "see it either)"
+            if i in cand.mutated_silently
+            else "in place (its version counter changed)"
+        )
         fail(
             names[i],
             "mutation",
-            f"the candidate modifies {names[i]} in place (its version counter changed) "
-            "but the reference does not; clone it first, or the caller's tensor changes under them",
+            f"the candidate modifies {names[i]} {how} but the reference does not; clone it first, or the "
+            "caller's tensor changes under them",
+        )
+        ok = False
+    for i in sorted(set(orig.mutated) - set(cand.mutated)):
+        fail(
+            f"{names[i]} (updated in place)",
+            "update",
+            f"the reference updates {names[i]} in place but the candidate leaves it unchanged; make the "
+            "candidate write the same update",
         )
         ok = False
     out_names = leaf_names(orig.spec, "output")
+    for j, (o, c) in enumerate(zip(orig.aliases, cand.aliases, strict=False)):
+        if c is not None and o != c:
+            theirs = "a fresh tensor" if o is None else f"a view of {names[o]}"
+            fail(
+                out_names[j],
+                "aliasing",
+                f"candidate {out_names[j]} shares memory with {names[c]} (it is a view of it, or the input "
+                f"itself) while the reference's is {theirs}: writing to one changes the other; return a "
+                "copy (.clone()) if callers may write to either",
+            )
+            ok = False
+        elif o is not None and c is None:
+            res.remarks.append(
+                f"the candidate's {out_names[j]} is a fresh tensor where the reference's is a view of "
+                f"{names[o]}: it costs memory, and writes to it no longer reach the input"
+            )
     for j in cand.detached:
         fail(
             out_names[j],
@@ -261,6 +291,17 @@ def _pairs(
         else:
             pairs.append((name, "output", c, o, ("outputs", j)))
     names = inputs.names
+    for i in orig.mutated:
+        o, c = orig.updates[i], cand.updates[i] if i < len(cand.updates) else None
+        if o is None or c is None:
+            continue
+        name = f"{names[i]} (updated in place)"
+        msg = check_meta(name, c, o)
+        if msg:
+            fail(name, "meta", msg)
+            ok = False
+        else:
+            pairs.append((name, "update", c, o, ("updates", i)))
     grad_kinds: tuple[tuple[str, QuantityKind, str], ...] = (
         ("grads", "grad", "grad of"),
         ("grads2", "grad2", "2nd derivative of"),
@@ -307,38 +348,33 @@ def _judge_reference(
     res: CaseResult,
     fail: Callable[..., None],
 ) -> None:
+    rounding = rounding_for(case.dtype or torch.get_default_dtype(), autocast=case.autocast)
+
     def make() -> Oracle:
-        run = run_oracle(st.reference, inputs, canon, st.oracle_device)
-        if run.error is not None:
-            return Oracle(run, None)
-        return Oracle(
-            run,
-            derive(
-                st.reference,
-                st.abs_reference,
-                st.reduction_length,
-                inputs,
-                canon,
-                st.oracle_device,
-                cache.counts,
-            ),
+        return run_oracle(
+            st.reference,
+            inputs,
+            canon,
+            st.oracle_device,
+            rounding,
+            c=st.c,
+            abs_reference=st.abs_reference,
+            reduction_length=st.reduction_length,
         )
 
-    got = cache.get(oracle_key(case), make)
-    oracle, derived = got.run, got.derived
-    if oracle.error is not None or derived is None:
-        err = oracle.error.describe() if oracle.error else "no oracle"
+    oracle = cache.get(oracle_key(case), case.layout, make)
+    if oracle.run.error is not None:
         fail(
             "oracle",
             "reference",
-            f"the reference raised in float64 (the oracle): {err}; reference mode needs "
-            "a reference that runs in float64 (use mode='exact' otherwise)",
+            f"the reference raised in float64 (the oracle): {oracle.run.error.describe()}; reference mode "
+            "needs a reference that runs in float64 (use mode='exact' otherwise)",
         )
         return
-    if derived.why_not:
-        res.budget_note = derived.why_not
+    if oracle.why_not:
+        res.budget_note = oracle.why_not
     for name, kind, c, o, (field_, idx) in pairs:
-        ora = _get(oracle, field_, idx, o)
+        ora = _get(oracle.run, field_, idx, o)
         if ora.shape != o.shape:
             fail(
                 name,
@@ -347,10 +383,10 @@ def _judge_reference(
                 f"{tuple(o.shape)}: the reference behaves differently in float64",
             )
             continue
-        s = _get(derived.s, field_, idx, o) if derived.s else None
-        n = _get(derived.n, field_, idx, o) if derived.n else None
-        b = BudgetInputs(o, ora, s, n, derived.source, case.dtype, case.autocast)
-        q = compare_reference(name, kind, c, b, c=st.c, layout=case.layout)
+        s = _get(oracle.s, field_, idx, o) if oracle.s is not None else None
+        e = _get(oracle.e, field_, idx, o) if oracle.e is not None else None
+        b = BudgetInputs(o, ora, s, e, oracle.source or "", case.dtype, case.autocast)
+        q = compare_reference(name, kind, c, b, layout=case.layout)
         res.quantities.append(q)
         if not q.passed:
             fail(name, "mismatch", q.message, offending=q.offending)
@@ -386,6 +422,7 @@ def _measure(
             directions=(lambda gs: list(dirs)) if dirs is not None else None,
             forward_context=fwd,
             seed=inputs.case.seed,
+            watch_inputs=False,
         )
     )
 

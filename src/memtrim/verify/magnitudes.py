@@ -1,325 +1,247 @@
-"""The error budget's S and n, derived by tracing the reference through a registry of multilinear ops.
+"""The reference's rounding error, bounded op by op while it runs in float64: the tracer behind the budget.
 
-S (the sum of absolute products behind each element) is the reference evaluated on absolute values with
-every subtraction turned into an addition: ``|x| @ |W|`` for ``x @ W``, ``|a| + |b|`` for ``a - b``. n (how
-many products each element sums) is the same trace with all inputs and coefficients set to one. Both come
-from running the reference under :class:`_AbsMode`, a ``TorchDispatchMode`` that swaps each aten op for
-its rule in :data:`ABS_RULES`; an op without a rule (``exp``, ``softmax``, ``div`` by a computed tensor,
-``.item()``) stops the trace with :class:`NotMultilinear`, and the report then says the budget could not be
-derived and only the k-times rule holds.
+The oracle of a case is the reference run in float64 on the case's rounded inputs. While it runs, a
+``TorchDispatchMode`` (:class:`Tracer`) keeps, next to every floating-point value it computes, two
+*shadow* numbers per element:
 
-Gradients: the gradient of a multilinear function is itself multilinear in (inputs, upstream gradient),
-a signed sum of products of input entries and upstream-gradient entries. Autograd builds each backward
-formula from the same family of ops (``mm`` of transposes, ``expand`` for ``sum``, ``mul`` by the saved
-operand, ``neg`` for ``sub``) and every one of those ops runs through this mode too: operands become their
-absolute values and sign flips (``neg``, ``sub``, negative scalars) become plain copies and additions.
-With nonnegative operands nothing cancels, so running the backward of the abs-valued trace with
-``|upstream grad|`` yields, for each gradient element, exactly the sum of the absolute values of its
-products: S for the gradient. The same holds for second derivatives, which are multilinear in (inputs,
-upstream gradient, direction).
+* **S**, the magnitude: a bound on ``|value|`` that does not depend on how the multilinear parts are
+  associated or ordered — the sum of absolute products (``|a| @ |b|`` for ``a @ b``, ``|a| + |b|`` for
+  ``a - b``); ``|value|`` after a nonlinear op.
+* **E**, the error: a first-order bound on how far an implementation of the same computation in the case's
+  precision can be from the exact value, given that (a) every op's result is rounded to the storage dtype
+  (unit roundoff ``u``), the way an unfused rewrite that stores each step would round it; (b) a reduction
+  of ``N`` terms accumulates in its opmath dtype (``u_acc``) in any order, erring by at most
+  ``min(c*sqrt(N), N) * u_acc * S`` (Higham and Mary's probabilistic bound, and the worst case below
+  ``N = c**2``); (c) a transcendental function errs by its documented ulps (:data:`FUNCTION_ULPS`); (d)
+  incoming errors propagate through the op's derivative: ``|f'(x)| * E(x)`` for an elementwise ``f``,
+  ``E(a) @ S(b) + S(a) @ E(b)`` for a product, and so on.
+
+E excludes the rounding of the value itself: a consumer adds ``u * S`` for each input that was rounded
+(the *rounded* flag, a third shadow), and the budget of a final output adds ``u_out * |value|``.
+
+The shadows live in tensors shaped like each storage (float64, float64, bool) and are found through the
+storage, so every view of a tensor sees its own slice, and an in-place op writes the shadows of the
+elements it writes. Inputs and constants have no shadow: they are exact.
+
+Each aten op is handled by its rule in :data:`MAGNITUDE_RULES` (see :mod:`memtrim.verify.magnitude_rules`).
+Composite ops (softmax, layer norm, variance, cross-entropy, GELU, their backward ops) are traced through
+PyTorch's own decompositions, so their budget is the sum of their steps'. An op without a rule that returns
+floating-point tensors stops the trace with :class:`NotTraceable`; the report then says the budget could not
+be derived and only the k-times rule holds.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.weak import WeakTensorKeyDictionary
+from torch.utils._pytree import tree_flatten
 
 from memtrim.registry import Registry
+from memtrim.verify.budget import C_REORDER, Rounding
 
 aten = torch.ops.aten
 
 
-class NotMultilinear(Exception):
-    """The reference uses an op outside :data:`ABS_RULES`, so S cannot be derived by tracing."""
+class NotTraceable(Exception):
+    """The reference uses an op without a magnitude rule, so its budget cannot be derived by tracing."""
 
-    def __init__(self, op: str, why: str = "not linear or multilinear") -> None:
+    def __init__(self, op: str, why: str = "no magnitude rule") -> None:
         super().__init__(f"{op} ({why})")
         self.op = op
 
 
-class _Ctx:
-    """What the rules need: the mode (``abs`` or ``count``) and which tensors the trace produced."""
+NotMultilinear = NotTraceable
+"""The former name of :class:`NotTraceable` (the tracer then knew only multilinear ops)."""
 
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.traced: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self.leafish: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+Rule = Callable[["Tracer", Any, tuple[Any, ...], dict[str, Any]], Any]
+MAGNITUDE_RULES: Registry[Any, Rule] = Registry(
+    "magnitude rule", "memtrim.verify.register_magnitude_rule(aten.op)"
+)
+"""``aten`` op packet -> ``rule(tracer, func, args, kwargs)``: runs the op and sets its outputs' shadows."""
 
-    def mark(self, t: torch.Tensor, *, leaf: bool = False) -> None:
-        self.traced[t] = True
-        if leaf:
-            self.leafish[t] = True
-
-    def operand(self, x: Any) -> Any:
-        """A tensor or number operand: its absolute value, or in count mode its count (constants: 1)."""
-        if isinstance(x, torch.Tensor):
-            if not (x.is_floating_point() or x.is_complex()):
-                return x
-            if x in self.traced:  # already |value| (or a count): produced by the trace from |inputs|
-                return x
-            return x.abs() if self.mode == "abs" else torch.ones_like(x)
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return self.coef(x)
-        return x
-
-    def coef(self, x: Any) -> Any:
-        """A scalar coefficient: |x| for S, 1 for n (scaling adds no products)."""
-        if isinstance(x, torch.Tensor):
-            return x.abs() if self.mode == "abs" else torch.ones_like(x)
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return abs(x) if self.mode == "abs" else 1
-        return x
-
-    def operands(self, tree: Any) -> Any:
-        return tree_map(lambda x: self.operand(x) if isinstance(x, torch.Tensor) else x, tree)
+ABS_RULES = MAGNITUDE_RULES
+"""The former name of :data:`MAGNITUDE_RULES`."""
 
 
-Rule = Callable[[_Ctx, Any, tuple[Any, ...], dict[str, Any]], Any]
-ABS_RULES: Registry[Any, Rule] = Registry("magnitude rule", "memtrim.verify.register_abs_rule(aten.op)")
-"""``aten`` op packet -> rule evaluating the op on absolute values (or counts); see register_abs_rule."""
+def register_magnitude_rule(*packets: Any) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule(tracer, func, args, kwargs)`` runs ``func`` and sets the shadows of its outputs
+    (:meth:`Tracer.set`) for each op packet in ``packets``. An op registered twice is refused
+    (:class:`memtrim.registry.DuplicateRegistration`)."""
+    return MAGNITUDE_RULES.register(*packets)
 
 
-def register_abs_rule(*packets: Any) -> Callable[[Rule], Rule]:
-    """Decorator: ``rule(ctx, func, args, kwargs)`` evaluates ``func`` on absolute values for ``packets``.
+register_abs_rule = register_magnitude_rule
+"""The former name of :func:`register_magnitude_rule`."""
 
-    An op registered twice is refused (:class:`memtrim.registry.DuplicateRegistration`).
+
+@dataclass
+class _Shadow:
+    """The shadows of one storage, one entry per element of the dtype that first wrote it."""
+
+    s: torch.Tensor
+    e: torch.Tensor
+    q: torch.Tensor
+    itemsize: int
+
+
+Number = float | torch.Tensor
+
+
+class Tracer:
+    """What rules work with: the case's unit roundoffs and the shadows of every traced tensor.
+
+    ``u`` is the storage dtype's unit roundoff, ``u_acc`` the accumulator's, ``c`` the reordering
+    constant. Use :attr:`mode` as a context manager around the reference (forward and backward).
     """
-    return ABS_RULES.register(*packets)
+
+    def __init__(self, rounding: Rounding, c: float = C_REORDER) -> None:
+        self.u = rounding.u
+        self.u_acc = rounding.u_acc
+        self.c = c
+        self.rng_used = False
+        self._shadows: weakref.WeakKeyDictionary[Any, _Shadow] = weakref.WeakKeyDictionary()
+        self.mode = _TracingMode(self)
+
+    # -- reading shadows ---------------------------------------------------------------------------
+    def _shadow(self, t: torch.Tensor) -> _Shadow | None:
+        sh = self._shadows.get(t.untyped_storage())
+        if sh is not None and sh.itemsize != t.element_size():
+            raise NotTraceable("a dtype view", "the same bytes read as another dtype")
+        return sh
+
+    def _view(self, flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
+
+    def value(self, x: Any) -> Any:
+        """``x`` as float64 (tensors) or float (numbers), for derivatives."""
+        if isinstance(x, torch.Tensor):
+            return x.to(torch.float64) if x.dtype != torch.float64 else x
+        return float(x)
+
+    def s(self, x: Any) -> Any:
+        """The magnitude S of ``x``: its shadow, or ``|x|`` for an input, a constant or a number."""
+        if isinstance(x, torch.Tensor):
+            sh = self._shadow(x) if _is_float(x) else None
+            return self._view(sh.s, x) if sh is not None else self.value(x).abs()
+        return abs(float(x)) if isinstance(x, (int, float)) else x
+
+    def e(self, x: Any) -> Any:
+        """The error bound of ``x`` as stored: its propagated error plus its own rounding (``u * S``).
+        ``0.0`` (a number) for an exact input, constant or number."""
+        if not isinstance(x, torch.Tensor):
+            return 0.0
+        sh = self._shadow(x) if _is_float(x) else None
+        if sh is None:
+            return 0.0
+        e, q = self._view(sh.e, x), self._view(sh.q, x)
+        return torch.where(q, e + self.u * self._view(sh.s, x), e)
+
+    def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(S, E before its own rounding, rounded) of ``x``, for ops that move values without arithmetic."""
+        sh = self._shadow(x) if _is_float(x) else None
+        if sh is None:
+            zeros = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+            return self.value(x).abs(), zeros, torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        return self._view(sh.s, x), self._view(sh.e, x), self._view(sh.q, x)
+
+    def final(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, E before the final rounding) of a result, as contiguous float64 copies."""
+        sh = self._shadow(x) if _is_float(x) else None
+        if sh is None:
+            return self.value(x).abs().clone(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        return self._view(sh.s, x).clone(), self._view(sh.e, x).clone()
+
+    # -- writing shadows ---------------------------------------------------------------------------
+    def set(self, out: torch.Tensor, *, s: Any, e: Any, rounded: Any = True) -> None:
+        """Set the shadows of ``out``'s elements: magnitude ``s``, error ``e`` before ``out``'s own
+        rounding, and whether ``out`` was rounded to the storage dtype (True for every computed value;
+        a tensor for ops that only move values)."""
+        if not _is_float(out) or out.numel() == 0:
+            return
+        if torch._debug_has_internal_overlap(out) == 1:  # an expanded view: one slot, several elements
+            raise NotTraceable("a write through an expanded view", "its elements share memory")
+        storage = out.untyped_storage()
+        sh = self._shadows.get(storage)
+        if sh is None:
+            flat = torch.empty(0, dtype=out.dtype, device=out.device).set_(storage)
+            sh = _Shadow(
+                flat.to(torch.float64).abs(),
+                torch.zeros(flat.shape, dtype=torch.float64, device=out.device),
+                torch.zeros(flat.shape, dtype=torch.bool, device=out.device),
+                out.element_size(),
+            )
+            self._shadows[storage] = sh
+        elif sh.itemsize != out.element_size():
+            raise NotTraceable("a dtype view", "the same bytes written as another dtype")
+        for flat, value in ((sh.s, s), (sh.e, e), (sh.q, rounded)):
+            view = self._view(flat, out)
+            if isinstance(value, torch.Tensor):
+                view.copy_(value)
+            else:
+                view.fill_(value)
+
+    def exact(self, out: torch.Tensor) -> None:
+        """``out`` holds exact constants (a fill, random draws, an integer cast)."""
+        if self._shadows.get(out.untyped_storage()) is not None:
+            self.set(out, s=self.value(out).abs(), e=0.0, rounded=False)
+
+    # -- helpers for rules -------------------------------------------------------------------------
+    def accumulation(self, n: Number) -> Number:
+        """``min(c*sqrt(N), N) * u_acc``: the error per unit of S of summing ``N`` terms in any order."""
+        if isinstance(n, torch.Tensor):
+            n = n.to(torch.float64)
+            return torch.where(n >= 2, torch.minimum(self.c * n.sqrt(), n), 0.0) * self.u_acc
+        return (min(self.c * math.sqrt(n), n) if n >= 2 else 0.0) * self.u_acc
+
+    def redispatch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` (a decomposition) with this tracer on, so each of its steps is traced."""
+        with self.mode:
+            return fn(*args, **kwargs)
 
 
-_VIEWS = (
-    aten.view,
-    aten._unsafe_view,
-    aten.reshape,
-    aten._reshape_alias,
-    aten.unsqueeze,
-    aten.squeeze,
-    aten.permute,
-    aten.transpose,
-    aten.t,
-    aten.expand,
-    aten.select,
-    aten.slice,
-    aten.as_strided,
-    aten.alias,
-    aten.detach,
-    aten.unbind,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unsafe_split,
-    aten.chunk,
-    aten.diagonal,
-    aten.unfold,
-    aten.narrow,
-    aten.movedim,
-    aten.flatten,
-    aten.unflatten,
-)
-_MOVES = (
-    aten.clone,
-    aten._to_copy,
-    aten.copy_,
-    aten.lift_fresh,
-    aten.lift_fresh_copy,
-    aten.contiguous,
-    aten.repeat,
-    aten.flip,
-    aten.roll,
-    aten.index_select,
-    aten.gather,
-    aten.index,
-    aten.take,
-    aten.embedding,
-    aten.unsqueeze_,
-    aten.squeeze_,
-    aten.t_,
-    aten.transpose_,
-    aten.is_same_size,
-)
-_CREATE = (
-    aten.zeros,
-    aten.zeros_like,
-    aten.new_zeros,
-    aten.empty,
-    aten.empty_like,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.empty_strided,
-    aten.zero_,
-)
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-@register_abs_rule(*_VIEWS, *_MOVES)
-def _structural(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # Views, copies and selections move values without combining them: S and n move with them.
-    return func(*args, **kwargs)
-
-
-@register_abs_rule(*_CREATE)
-def _zeros(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return func(*args, **kwargs)
-
-
-@register_abs_rule(aten.ones, aten.ones_like, aten.new_ones, aten.full, aten.full_like, aten.new_full)
-def _constants(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return ctx.operand(func(*args, **kwargs))
-
-
-@register_abs_rule(aten.fill_)
-def _fill(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return func(args[0], ctx.coef(args[1]))
-
-
-@register_abs_rule(
-    aten.sum,
-    aten.cumsum,
-    aten.cat,
-    aten.stack,
-    aten.mm,
-    aten.bmm,
-    aten.mv,
-    aten.dot,
-    aten.matmul,
-    aten.einsum,
-    aten.addmm,
-    aten.addbmm,
-    aten.baddbmm,
-    aten.addmv,
-    aten.addr,
-    aten.outer,
-    aten.linear,
-    aten.index_put,
-    aten.index_add,
-    aten.scatter_add,
-    aten.embedding_dense_backward,
-    aten.select_backward,
-    aten.slice_backward,
-    aten.diagonal_backward,
-    aten.unfold_backward,
-    aten.as_strided_scatter,
-    aten.slice_scatter,
-    aten.select_scatter,
-    aten.diagonal_scatter,
-    aten.tensordot,
-    aten.trace,
-)
-def _multilinear(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # Sums and products of their tensor operands; numbers in positional slots are dims or sizes here.
-    kw = {k: ctx.coef(v) if k in ("alpha", "beta") else v for k, v in kwargs.items()}
-    return func(*ctx.operands(args), **ctx.operands(kw))
-
-
-@register_abs_rule(aten.mul)
-def _mul(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return func(ctx.operand(args[0]), ctx.operand(args[1]))
-
-
-@register_abs_rule(aten.add, aten.sub, aten.rsub)
-def _add(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # a - alpha*b and b - alpha*a become sums of absolute values: subtraction as addition.
-    alpha = ctx.coef(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
-    a, b = ctx.operand(args[0]), ctx.operand(args[1])
-    if func.overloadpacket is aten.rsub:
-        a, b = b, a
-    if isinstance(a, torch.Tensor):
-        return torch.add(a, b, alpha=alpha)
-    return torch.add(b * alpha, a)
-
-
-@register_abs_rule(aten.neg, aten.positive)
-def _neg(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x = ctx.operand(args[0])
-    return x.clone() if x is args[0] else x
-
-
-@register_abs_rule(aten.div)
-def _div(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # Dividing by an input or a constant is one rounding, like multiplying by its reciprocal. Dividing
-    # by a computed tensor is not: a cancelled denominator would make |a| / |b| too small.
-    a, b = args[0], args[1]
-    if kwargs.get("rounding_mode") is not None:
-        raise NotMultilinear(str(func), "division with rounding")
-    if isinstance(b, torch.Tensor) and b in ctx.traced and b not in ctx.leafish:
-        raise NotMultilinear(str(func), "division by a computed tensor")
-    if ctx.mode == "count":
-        return ctx.operand(a).clone()
-    return ctx.operand(a) / ctx.operand(b)
-
-
-@register_abs_rule(aten.mean)
-def _mean(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x = ctx.operand(args[0])
-    if ctx.mode == "abs":
-        return func(x, *args[1:], **kwargs)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    return x.sum() if dims is None else x.sum(dims, keepdim=keepdim)
-
-
-@register_abs_rule(aten.constant_pad_nd)
-def _pad(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
-    fill = ctx.coef(value) if value else 0
-    return func(ctx.operand(args[0]), args[1], fill)
-
-
-_INPLACE = {
-    aten.add_: aten.add,
-    aten.sub_: aten.sub,
-    aten.mul_: aten.mul,
-    aten.div_: aten.div,
-    aten.neg_: aten.neg,
-    aten.addmm_: aten.addmm,
-    aten.baddbmm_: aten.baddbmm,
-    aten.cumsum_: aten.cumsum,
-    aten.index_put_: aten.index_put,
-    aten.index_add_: aten.index_add,
-    aten.scatter_add_: aten.scatter_add,
-}
-
-
-def _inplace(ctx: _Ctx, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    functional = _INPLACE[func.overloadpacket]
-    overload = getattr(functional, func._overloadname, functional.default)
-    result = ABS_RULES[functional](ctx, overload, args, kwargs)
-    args[0].copy_(result)
-    return args[0]
-
-
-ABS_RULES.register(*_INPLACE)(_inplace)
-
-
-class _AbsMode(TorchDispatchMode):
-    def __init__(self, ctx: _Ctx) -> None:
+class _TracingMode(TorchDispatchMode):
+    def __init__(self, tracer: Tracer) -> None:
         super().__init__()
-        self.ctx = ctx
+        self.tracer = tracer
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        rule = ABS_RULES.get(func.overloadpacket)
-        if rule is None:
-            raise NotMultilinear(str(func))
-        out = rule(self.ctx, func, args, kwargs)
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        from_trace = any(t in self.ctx.traced for t in ins) or rule is _zeros or rule is _constants
-        from_leaf = rule is _structural and any(t in self.ctx.leafish for t in ins)
-        if from_trace or rule is not _structural:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.ctx.mark(t, leaf=from_leaf)
-        return out
+        if func._overloadname == "out" or "out" in kwargs:
+            raise NotTraceable(str(func), "out= variant")
+        if any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten((args, kwargs))[0]):
+            raise NotTraceable(str(func), "complex values")
+        rule = MAGNITUDE_RULES.get(func.overloadpacket)
+        if rule is not None:
+            return rule(self.tracer, func, args, kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            return self.tracer.redispatch(func.decompose, *args, **kwargs)
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.is_complex():
+                raise NotTraceable(str(func), "complex values")
+            if _is_float(t) or isinstance(t, float):
+                raise NotTraceable(str(func))
+        return out  # integer or boolean results (comparisons, indices) carry no rounding error
 
 
-def abs_mode(mode: str) -> tuple[_AbsMode, _Ctx]:
-    """A fresh tracing mode: ``"abs"`` evaluates S, ``"count"`` evaluates n."""
-    if mode not in ("abs", "count"):
-        raise ValueError(f"mode must be 'abs' or 'count', not {mode!r}")
-    ctx = _Ctx(mode)
-    return _AbsMode(ctx), ctx
+__all__ = [
+    "ABS_RULES",
+    "MAGNITUDE_RULES",
+    "NotMultilinear",
+    "NotTraceable",
+    "Tracer",
+    "register_abs_rule",
+    "register_magnitude_rule",
+]

@@ -1,35 +1,31 @@
-"""The float64 oracle of a case, and S and n for its budget (traced, or from a user-supplied function).
+"""The oracle of a case: the reference run in float64 on the case's rounded inputs, traced op by op
+(:mod:`memtrim.verify.magnitudes`) so that every output, gradient and updated input comes with its
+magnitude S and its error bound E.
 
-The oracle is the reference run in float64 on the case's rounded inputs; S and n come from
-:mod:`memtrim.verify.magnitudes`. :class:`OracleCache` shares one oracle between the cases that need
-the same one and releases it after the last of them.
+The oracle runs in the case's own layout, so a reference that draws random numbers draws them for the
+same elements as the original does. A reference that draws none has the same oracle in every layout that
+keeps the values; :class:`OracleCache` then shares it between those cases and drops it after the last.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from memtrim.verify import magnitude_rules  # noqa: F401  (registers the rules)
+from memtrim.verify.budget import Rounding, reorder_factor
 from memtrim.verify.cases import Case, CaseInputs
-from memtrim.verify.magnitudes import abs_mode
+from memtrim.verify.magnitudes import Tracer
 from memtrim.verify.results import RunResult
 from memtrim.verify.run import run_callable
 
 Tensors = list[torch.Tensor | None]
-
-
-@dataclass
-class Derived:
-    """S and n for each output, gradient and second derivative (None where not derived), and why not."""
-
-    s: RunResult | None
-    n: RunResult | None
-    source: str
-    why_not: str | None = None
+Source = Literal["traced", "supplied"]
 
 
 @dataclass
@@ -46,16 +42,38 @@ class Upstream:
         return Upstream(m(self.grads), m(self.dirs))
 
 
-def run_oracle(
-    reference: Callable[..., Any], inputs: CaseInputs, up: Upstream, device: torch.device
+@dataclass
+class Oracle:
+    """The float64 run of the reference (``run``) and, per compared tensor, S and E in runs of the same
+    shape (``s``, ``e``; None where the budget could not be derived, ``why_not`` says why)."""
+
+    run: RunResult
+    s: RunResult | None = None
+    e: RunResult | None = None
+    source: Source | None = None
+    why_not: str | None = None
+    layout: str = "contiguous"
+    layout_specific: bool = False
+    """True when the oracle holds for its own layout only (the reference draws random numbers, or the
+    trace could not tell)."""
+
+
+@contextlib.contextmanager
+def _traced(tracer: Tracer) -> Iterator[None]:
+    # scaled_dot_product_attention in its math form: the fused CPU kernel's backward has no decomposition.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH), tracer.mode:
+        yield
+
+
+def _call(
+    fn: Callable[..., Any],
+    inputs: CaseInputs,
+    leaves: list[Any],
+    up: Upstream,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> RunResult:
-    """The reference in float64 on the case's rounded inputs (contiguous), with float64 upstream grads."""
-    leaves, _ = inputs.materialize(layout="contiguous", dtype=torch.float64, device=device)
-    up64 = up.to(lambda t: t.to(device=device, dtype=torch.float64))
-    return _run(reference, inputs, leaves, up64)
-
-
-def _run(fn: Callable[..., Any], inputs: CaseInputs, leaves: list[Any], up: Upstream) -> RunResult:
     grads, dirs = up.grads, up.dirs
     return run_callable(
         fn,
@@ -65,139 +83,141 @@ def _run(fn: Callable[..., Any], inputs: CaseInputs, leaves: list[Any], up: Upst
         grad_outputs=None if grads is None else (lambda outs: list(grads)),
         directions=None if dirs is None else (lambda gs: list(dirs)),
         seed=inputs.case.seed,
+        context=context,
     )
 
 
-def _traced(
-    fn: Callable[..., Any], inputs: CaseInputs, up: Upstream, device: torch.device, mode: str
-) -> RunResult:
-    """Run ``fn`` under the abs (S) or count (n) tracing mode on |inputs| or ones."""
-    leaves, _ = inputs.materialize(layout="contiguous", dtype=torch.float64, device=device)
-
-    def prep(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to(device=device, dtype=torch.float64 if t.is_floating_point() else t.dtype)
-        if not t.is_floating_point():
-            return t
-        return t.abs() if mode == "abs" else torch.ones_like(t)
-
-    leaves = [prep(x).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
-    up = up.to(prep)
-    tracer, ctx = abs_mode(mode)
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            ctx.mark(x, leaf=True)
-    for t in (up.grads or []) + (up.dirs or []):
-        if t is not None:
-            ctx.mark(t, leaf=True)
-    with tracer:
-        return _run(fn, inputs, leaves, up)
+def _leaves(inputs: CaseInputs, device: torch.device) -> list[Any]:
+    return inputs.materialize(dtype=torch.float64, device=device)[0]
 
 
-def derive(
+def _shadow_runs(tracer: Tracer, run: RunResult) -> tuple[RunResult, RunResult]:
+    """S and E of every tensor in ``run``, laid out as ``run`` is."""
+
+    def pick(ts: Tensors | None, k: int) -> Tensors | None:
+        return None if ts is None else [None if t is None else tracer.final(t)[k] for t in ts]
+
+    def one(k: int) -> RunResult:
+        outs = [tracer.final(o)[k] if isinstance(o, torch.Tensor) else o for o in run.outputs]
+        return RunResult(
+            outputs=outs,
+            spec=run.spec,
+            grads=pick(run.grads, k),
+            grads2=pick(run.grads2, k),
+            updates=pick(run.updates, k) or [],
+        )
+
+    return one(0), one(1)
+
+
+def _why(error: Any, who: str) -> str:
+    if error.type == "NotTraceable":
+        return f"{who} uses {error.message} in {error.phase}"
+    return f"tracing {who} failed: {error.describe()}"
+
+
+def run_oracle(
     reference: Callable[..., Any],
-    abs_reference: Callable[..., Any] | None,
-    reduction_length: int | None,
     inputs: CaseInputs,
     up: Upstream,
     device: torch.device,
-    count_cache: dict[Any, RunResult],
-) -> Derived:
-    """S by tracing ``abs_reference or reference`` on |inputs|; n by the same trace on ones.
+    rounding: Rounding,
+    *,
+    c: float,
+    abs_reference: Callable[..., Any] | None = None,
+    reduction_length: int | None = None,
+) -> Oracle:
+    """The reference in float64 on the case's rounded inputs (in the case's layout), with float64 upstream
+    gradients, traced for S and E (the rounding of the case's dtype, ``rounding``).
 
-    A supplied ``abs_reference`` that does not trace is called plainly on |inputs| (its gradients with
-    |upstream| give S for the gradients); n then comes from ``reduction_length``.
+    ``abs_reference``, when given, supplies the budget instead of the reference: it is traced the same way
+    if it can be; otherwise it is called on ``|inputs|`` (its gradients with ``|upstream|``) and its result
+    is S, with E the reordering allowance ``min(c*sqrt(n), gamma_n/u_acc) * u_acc * S`` for
+    ``n = reduction_length``.
     """
-    fn = abs_reference or reference
-    source = "supplied" if abs_reference is not None else "traced"
-    s = _traced(fn, inputs, up, device, "abs")
-    if s.error is not None and abs_reference is not None:
-        s = _run(
-            abs_reference, inputs, _abs_leaves(inputs, device), up.to(lambda t: t.abs().to(torch.float64))
+    up64 = up.to(lambda t: t.to(device=device, dtype=torch.float64))
+    tracer = Tracer(rounding, c)
+    run = _call(reference, inputs, _leaves(inputs, device), up64, lambda: _traced(tracer))
+    oracle = Oracle(run, layout=inputs.case.layout, layout_specific=tracer.rng_used)
+    if run.error is not None and run.error.type in ("NotTraceable", "NotMultilinear"):
+        oracle.why_not = _why(run.error, "the reference")
+        oracle.layout_specific = True  # the trace stopped: whether it draws random numbers is unknown
+        oracle.run = _call(reference, inputs, _leaves(inputs, device), up64)
+    elif run.error is None:
+        oracle.s, oracle.e = _shadow_runs(tracer, run)
+        oracle.source = "traced"
+    if oracle.run.error is not None or abs_reference is None:
+        return oracle
+    oracle.s, oracle.e, oracle.source, oracle.why_not = None, None, "supplied", None
+    tracer = Tracer(rounding, c)
+    supplied = _call(abs_reference, inputs, _leaves(inputs, device), up64, lambda: _traced(tracer))
+    if supplied.error is None:
+        oracle.s, oracle.e = _shadow_runs(tracer, supplied)
+        return oracle
+    if supplied.error.type != "NotTraceable":
+        oracle.why_not = _why(supplied.error, "abs_reference")
+        return oracle
+    if reduction_length is None:
+        oracle.why_not = (
+            _why(supplied.error, "abs_reference") + "; pass reduction_length= (products summed per element)"
         )
-    if s.error is not None:
-        return Derived(None, None, source, _why(s, fn is reference))
-    key = (
-        id(fn),
-        inputs.case.variant,
-        tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs.leaves),
-    )
-    n = count_cache.get(key)
-    if n is None:
-        n = _traced(fn, inputs, up, device, "count")
-        count_cache[key] = n
-    if n.error is not None:
-        if reduction_length is None:
-            why = (
-                _why(n, False) + "; pass reduction_length= (products summed per element) with abs_reference="
-            )
-            return Derived(None, None, source, why)
-        n = _constant_n(s, reduction_length)
-    return Derived(s, n, source)
-
-
-def _abs_leaves(inputs: CaseInputs, device: torch.device) -> list[Any]:
-    leaves, _ = inputs.materialize(layout="contiguous", dtype=torch.float64, device=device)
-    return [
-        x.detach().abs().requires_grad_(x.requires_grad)
-        if isinstance(x, torch.Tensor) and x.is_floating_point()
-        else x
-        for x in leaves
+        return oracle
+    abs_leaves = [
+        x.detach().abs().requires_grad_(x.requires_grad) if _is_float(x) else x
+        for x in _leaves(inputs, device)
     ]
+    s = _call(abs_reference, inputs, abs_leaves, up64.to(torch.abs))
+    if s.error is not None:
+        oracle.why_not = f"abs_reference raised {s.error.describe()}"
+        return oracle
+    allowance = float(reorder_factor(torch.tensor([float(reduction_length)]), rounding.u_acc, c)[0])
+    oracle.s = s
+    oracle.e = _scaled(s, allowance)
+    return oracle
 
 
-def _constant_n(s: RunResult, n: int) -> RunResult:
-    def fill(ts: Tensors | None) -> Tensors | None:
-        return None if ts is None else [None if t is None else torch.full_like(t, float(n)) for t in ts]
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _scaled(r: RunResult, factor: float) -> RunResult:
+    def m(ts: Tensors | None) -> Tensors | None:
+        return None if ts is None else [None if t is None else t * factor for t in ts]
 
     return RunResult(
-        outputs=[torch.full_like(t, float(n)) if isinstance(t, torch.Tensor) else t for t in s.outputs],
-        spec=s.spec,
-        grads=fill(s.grads),
-        grads2=fill(s.grads2),
+        outputs=[o * factor if isinstance(o, torch.Tensor) else o for o in r.outputs],
+        spec=r.spec,
+        grads=m(r.grads),
+        grads2=m(r.grads2),
+        updates=m(r.updates) or [],
     )
-
-
-def _why(r: RunResult, is_reference: bool) -> str:
-    assert r.error is not None
-    who = "the reference" if is_reference else "abs_reference"
-    if r.error.type == "NotMultilinear":
-        return f"{who} uses {r.error.message} in {r.error.phase}"
-    return f"tracing {who} failed: {r.error.describe()}"
 
 
 def oracle_key(case: Case) -> Hashable:
-    """Cases with equal keys have the same oracle: the same rounded inputs (layouts other than
-    ``expanded`` keep the values) in the same dtype."""
+    """Cases with equal keys share their oracle when the reference draws no random numbers: the same
+    rounded inputs (every layout but ``expanded`` keeps the values) in the same dtype."""
     return (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
 
 
 @dataclass
-class Oracle:
-    """A case's oracle run and its derived budget inputs (None where the oracle raised)."""
-
-    run: RunResult
-    derived: Derived | None
-
-
-@dataclass
 class OracleCache:
-    """Oracle runs (and traced counts, which depend only on shapes) shared by the cases that need them.
+    """Oracles shared by the cases that can use them, each dropped after the last case with its key.
 
-    Built with the keys of every case to come; an oracle is dropped after its last case, so at most
-    the oracles of cases still to run are held, not the whole matrix's.
+    Built with the keys of every case to come, so at most the oracles of cases still to run are held;
+    with the matrix in its order (dtype, then seed, then layout) that is one at a time.
     """
 
     keys: Iterable[Hashable] = ()
-    counts: dict[Any, RunResult] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._left: Counter[Hashable] = Counter(self.keys)
         self._held: dict[Hashable, Oracle] = {}
 
-    def get(self, key: Hashable, make: Callable[[], Oracle]) -> Oracle:
-        """The oracle for ``key``, made on first use and kept while cases with this key remain."""
+    def get(self, key: Hashable, layout: str, make: Callable[[], Oracle]) -> Oracle:
+        """The oracle for ``key`` in ``layout``, made on first use and kept while cases with this key
+        remain (unless it holds for its own layout only)."""
         oracle = self._held.get(key)
-        if oracle is None:
+        if oracle is None or (oracle.layout_specific and oracle.layout != layout):
             oracle = make()
             if self._left[key] > 1:
                 self._held[key] = oracle
@@ -211,3 +231,6 @@ class OracleCache:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+__all__ = ["Oracle", "OracleCache", "Upstream", "oracle_key", "run_oracle"]

@@ -35,7 +35,7 @@ from memtrim.verify.cases import Case
 
 Status = Literal["passed", "failed", "skipped"]
 Held = Literal["exact", "reference"]
-QuantityKind = Literal["output", "grad", "grad2"]
+QuantityKind = Literal["output", "grad", "grad2", "update"]
 FailureKind = Literal[
     "inputs",
     "budget",
@@ -50,6 +50,8 @@ FailureKind = Literal[
     "meta",
     "mismatch",
     "probe",
+    "update",
+    "aliasing",
 ]
 
 SCHEMA = "memtrim.verify/1"
@@ -97,7 +99,10 @@ def _tensor_text(t: Any) -> str:
 @dataclass
 class RunResult:
     """One run of one callable: flat outputs (detached), gradients per differentiable input, and what it
-    did to its inputs (``mutated``: version counter moved; ``poisoned``: hidden NaN slots overwritten)."""
+    did to its inputs: ``mutated`` (its version counter moved or its bits changed), ``mutated_silently``
+    (bits changed, counter not: a ``.data`` write), ``updates`` (per input, its value after the call if it
+    changed), ``poisoned`` (hidden NaN slots overwritten), ``aliases`` (per output, the input whose memory
+    it shares)."""
 
     outputs: list[Any] = field(default_factory=list)
     spec: Any = None
@@ -107,7 +112,10 @@ class RunResult:
     grads2: list[torch.Tensor | None] | None = None
     not_differentiable: list[int] = field(default_factory=list)
     mutated: list[int] = field(default_factory=list)
+    mutated_silently: list[int] = field(default_factory=list)
+    updates: list[torch.Tensor | None] = field(default_factory=list)
     poisoned: list[int] = field(default_factory=list)
+    aliases: list[int | None] = field(default_factory=list)
     error: CallError | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,7 +129,9 @@ class RunResult:
             "detached": list(self.detached),
             "not_differentiable": list(self.not_differentiable),
             "mutated": list(self.mutated),
+            "mutated_silently": list(self.mutated_silently),
             "poisoned": list(self.poisoned),
+            "aliases": list(self.aliases),
             "error": None if self.error is None else self.error.to_dict(),
         }
 
@@ -156,11 +166,12 @@ class Quantity:
     worst: dict[str, Any] | None = None
     offending: list[dict[str, Any]] = field(default_factory=list)
     norm_err: float | None = None
+    """max |cand - oracle| / S over elements with S > 0: the error per unit of magnitude."""
     norm_err_orig: float | None = None
-    gamma_n: float | None = None
-    bound: float | None = None
-    n_max: int | None = None
+    budget_used: float | None = None
+    """max |cand - oracle| / budget: at most 1 where the candidate passed."""
     u_out: float | None = None
+    u: float | None = None
     u_acc: float | None = None
     assert_close: bool | None = None
     assert_close_orig: bool | None = None
@@ -173,8 +184,8 @@ class Quantity:
     def __str__(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
         text = f"{self.name}: {verdict} ({self.rule or 'no rule'}), max |diff| {self.max_abs_diff:.3g}"
-        if self.norm_err is not None and self.bound is not None:
-            text += f", norm err {self.norm_err:.2g} / bound {self.bound:.2g}"
+        if self.budget_used is not None:
+            text += f", {self.budget_used:.2g} of the budget used"
         return text if self.passed else f"{text}: {self.message}"
 
     def to_markdown(self) -> str:
@@ -221,6 +232,8 @@ class CaseResult:
     note: str = ""
     budget_note: str = ""
     """Why the per-element budget could not be derived here (empty when it was)."""
+    remarks: list[str] = field(default_factory=list)
+    """What differs without failing the case (an output that no longer aliases an input)."""
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -238,6 +251,7 @@ class CaseResult:
             "held": self.held,
             "note": self.note,
             "budget_note": self.budget_note,
+            "remarks": list(self.remarks),
             "seconds": round(self.seconds, 4),
             "quantities": [q.to_dict() for q in self.quantities],
             "memory": {"reference": mem(self.memory_ref), "candidate": mem(self.memory_cand)},
@@ -408,23 +422,14 @@ class VerifyReport:
         raise AssertionError("memtrim.verify ran no case: every case was skipped; " + "; ".join(self.notes))
 
 
-_COLUMNS = (
-    "case",
-    "result",
-    "held",
-    "worst",
-    "max |Δ|",
-    "norm err / γn+u",
-    "assert_close",
-    "peak ref→cand",
-)
+_COLUMNS = ("case", "result", "held", "worst", "max |Δ|", "budget used", "assert_close", "peak ref→cand")
 _MD_COLUMNS = (
     "case",
     "result",
     "held",
     "worst",
     "max abs diff",
-    "norm err / γn+u",
+    "budget used",
     "assert_close",
     "peak ref → cand",
 )
@@ -435,9 +440,7 @@ def _row(c: CaseResult) -> list[str]:
     if worst is None:
         cells = ["-", "-", "-", "-"]
     else:
-        ne = (
-            f"{worst.norm_err:.2g} / {worst.bound:.2g}" if worst.norm_err is not None and worst.bound else "-"
-        )
+        ne = f"{worst.budget_used:.2g}" if worst.budget_used is not None else "-"
         ac = (
             "-"
             if worst.assert_close is None
@@ -453,7 +456,7 @@ def _worst(qs: list[Quantity]) -> Quantity | None:
         return None
     failing = [q for q in qs if not q.passed]
     pool = failing or qs
-    return max(pool, key=lambda q: (q.norm_err if q.norm_err is not None else -1.0, q.max_abs_diff))
+    return max(pool, key=lambda q: (q.budget_used if q.budget_used is not None else -1.0, q.max_abs_diff))
 
 
 def _yn(v: bool | None) -> str:
