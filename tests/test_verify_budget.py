@@ -58,14 +58,21 @@ def test_s_of_einsum_is_the_contraction_of_absolute_values() -> None:
         torch.testing.assert_close(ei, min(C_REORDER * math.sqrt(n), n) * U32 * si, rtol=1e-12, atol=0)
 
 
-def test_subtraction_becomes_addition_and_scalars_their_magnitude() -> None:
+def test_sums_keep_their_terms_magnitudes_and_a_difference_its_own() -> None:
+    # A reduction's magnitude is the reduction of its terms' magnitudes (a re-ordering or re-association
+    # of the sum stays inside the budget); an elementwise difference that cancels is as small as its
+    # value (so what is built on it, x - mean(x), keeps a tight budget); scalars count by magnitude.
     a = torch.tensor([1.0, -2.0], dtype=torch.float64)
     b = torch.tensor([3.0, 5.0], dtype=torch.float64)
-    _, (s, _), _ = trace(
-        lambda x, y: (x - 2.0 * y) / -4.0 + (-x).mean() - torch.tensor(-1.0, dtype=torch.float64), a, b
-    )
-    expected = (a.abs() + 2.0 * b.abs()) / 4.0 + a.abs().mean() + 1.0
-    torch.testing.assert_close(s, expected, rtol=0, atol=0)
+    _, (s, e), _ = trace(lambda x, y: ((x - 2.0 * y) * -3.0).sum(), a, b)
+    assert float(s) == float(3.0 * (a - 2.0 * b).abs().sum())
+    # E, step by step: 2y is rounded (u*2|y|) and carried into x - 2y, itself rounded (u*|x - 2y|); times
+    # 3 and rounded again (u*3|x - 2y|); then the sum of 2 terms adds min(c*sqrt(2), 2)*u_acc*S.
+    diff = (a - 2.0 * b).abs()
+    steps = 3 * (U32 * 2 * b.abs() + U32 * diff) + U32 * 3 * diff
+    assert float(e) == pytest.approx(float(steps.sum() + 2 * U32 * s), rel=1e-12)
+    _, (s2, _), _ = trace(lambda x: (-x).mean(), a)
+    assert float(s2) == float(a.abs().mean())
 
 
 def test_closure_constants_count_with_their_magnitude() -> None:

@@ -117,6 +117,17 @@ def var_biased(x: Tensor) -> Tensor:
     return (d * d).mean(-1)  # divides by n, not n - 1
 
 
+def var_one_pass(x: Tensor) -> Tensor:
+    n = x.shape[-1]
+    return ((x * x).mean(-1) - x.mean(-1) ** 2) * n / (n - 1)  # E[x^2] - E[x]^2: cancels
+
+
+def far_from_zero(dtype: torch.dtype, device: torch.device, seed: int) -> tuple[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 64, generator=g, dtype=torch.float64) + 300  # mean 300, variance 1
+    return (x.to(dtype=dtype, device=device).requires_grad_(),)
+
+
 def std(x: Tensor) -> Tensor:
     return x.std(-1)
 
@@ -471,6 +482,7 @@ WRONG: dict[str, tuple[Callable[..., Any], Callable[..., Any], Inputs, str, dict
         {},
     ),
     "biased variance": (var, var_biased, lambda: (r(4, 8),), "output: ", {}),
+    "one-pass variance on data far from zero": (var, var_one_pass, far_from_zero, "output: ", {}),
     "attention without the 1/sqrt(d) scale": (sdpa, attention_without_scale, qkv, "output: ", {}),
     "causal mask dropped": (sdpa_causal, attention_manual, qkv, "exceed the rounding budget", {}),
     "tanh GELU for exact GELU": (gelu, gelu_tanh, lambda: (r(4, 8),), "output: ", {}),

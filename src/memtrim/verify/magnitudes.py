@@ -4,9 +4,10 @@ The oracle of a case is the reference run in float64 on the case's rounded input
 ``TorchDispatchMode`` (:class:`Tracer`) keeps, next to every floating-point value it computes, two
 *shadow* numbers per element:
 
-* **S**, the magnitude: a bound on ``|value|`` that does not depend on how the multilinear parts are
-  associated or ordered — the sum of absolute products (``|a| @ |b|`` for ``a @ b``, ``|a| + |b|`` for
-  ``a - b``); ``|value|`` after a nonlinear op.
+* **S**, the magnitude: a bound on ``|value|`` that does not depend on how sums and products are
+  ordered or associated — the sum of absolute products (``|a| @ |b|`` for ``a @ b``, ``sum(|x|)`` for
+  ``x.sum()``); after an elementwise addition or subtraction, and after a nonlinear op, ``|value|``
+  itself, so a difference that cancels (``x - mean(x)``) keeps a tight budget downstream.
 * **E**, the error: a first-order bound on how far an implementation of the same computation in the case's
   precision can be from the exact value, given that (a) every op's result is rounded to the storage dtype
   (unit roundoff ``u``), the way an unfused rewrite that stores each step would round it; (b) a reduction

@@ -6,11 +6,14 @@ error E before the output's own rounding (``tracer.set(out, s=..., e=...)``). No
 
 * moves (views, copies, gathers, concatenation, padding): shadows move with the values;
 * selections (``where``, ``max``, ``relu``, ``clamp``, ``abs``, ``neg``): 1-Lipschitz, no rounding;
-* sums and products (``add``, ``mul``, ``div``, ``mm``, ``sum``, ``mean``, ...): S by the same op on
+* sums and products (``mul``, ``div``, ``mm``, ``sum``, ``mean``, ``addmm``, ...): S by the same op on
   magnitudes, E by the product rule, plus ``min(c*sqrt(N), N) * u_acc * S`` for a reduction of N terms;
-* elementwise functions (``exp``, ``log``, ``tanh``, ``sigmoid``, ``erf``, ``sqrt``, ``pow``, ...):
+  an elementwise ``add``/``sub`` adds the errors and keeps its own ``|value|`` as S (see
+  :mod:`memtrim.verify.magnitudes`);
+* elementwise functions (``exp``, ``log``, ``tanh``, ``erf``, ``sqrt``, ``pow``, ...; ``sigmoid`` as
+  ``1 / (1 + exp(-x))``):
   ``|f'(x)| * E(x)`` plus the function's documented error in ulps (:data:`FUNCTION_ULPS`);
-* composites (softmax, log_softmax, logsumexp, var/std, layer_norm, rms_norm, GELU, SiLU, cross-entropy
+* composites (softmax, log_softmax, logsumexp, var/std, layer_norm, rms_norm, GELU, SiLU, cross-entropy,
   and their backward ops): traced through their decompositions (PyTorch's, or the two-pass variance
   here), so their budget is that of their steps, each rounded — which also covers an unfused rewrite
   that stores every step in the low-precision dtype. ``scaled_dot_product_attention`` is traced in its

@@ -101,13 +101,15 @@ def _alpha(args: Args, kwargs: Kwargs, at: int) -> float:
 
 @register_magnitude_rule(aten.add, aten.sub, aten.rsub)
 def _add(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
-    # a - alpha*b (and b - alpha*a): magnitudes add, errors add; one rounding.
+    # a - alpha*b (and b - alpha*a): errors add; one rounding, of the value. The magnitude is the
+    # value's own: an elementwise difference that cancels (x - mean(x)) is small, and so is the error of
+    # what is built on it; a rewrite that expands it (E[x^2] - E[x]^2) must then stay that accurate.
     a, b = args[0], args[1]
     alpha = _alpha(args, kwargs, 2)
     out = func(*args, **kwargs)
     if func.overloadpacket is aten.rsub:
         a, b = b, a
-    tr.set(out, s=tr.s(a) + alpha * tr.s(b), e=tr.e(a) + alpha * tr.e(b))
+    tr.set(out, s=tr.value(out).abs(), e=tr.e(a) + alpha * tr.e(b))
     return out
 
 
