@@ -58,6 +58,23 @@ def test_reassociated_chain_is_as_accurate_as_the_original_over_20_seeds(dtype: 
     assert 0.25 < sorted(ratios)[10] < 4  # the median error ratio: the same accuracy
 
 
+def test_results_in_the_fp16_subnormals_are_within_the_budget() -> None:
+    # A softmax over 256 columns of 3*randn stores about half its outputs below fp16's smallest normal
+    # (2**-14), where a rounding errs by up to 2**-25 absolutely, not by u relatively: gradual underflow.
+    def logits(dtype: torch.dtype, device: torch.device, seed: int) -> tuple[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return ((3 * torch.randn(16, 256, generator=g, dtype=torch.float64)).to(dtype).requires_grad_(),)
+
+    def softmax_max_detached(x: torch.Tensor) -> torch.Tensor:
+        e = (x - x.amax(-1, keepdim=True).detach()).exp()
+        return e / e.sum(-1, keepdim=True)
+
+    y = torch.softmax(logits(torch.float16, torch.device("cpu"), 0)[0], -1)
+    assert int(((y != 0) & (y < 2**-14)).sum()) > y.numel() // 4
+    r = verify(vc.softmax, softmax_max_detached, logits, dtypes=("fp16",), mode="reference", **QUIET)
+    r.assert_ok()
+
+
 # 3. Dict outputs: compared key by key, whatever the insertion order.
 def test_dict_outputs_in_another_key_order_pass_and_a_wrong_value_is_named() -> None:
     inputs = (vc.r(4, 6), vc.r(6, 3))

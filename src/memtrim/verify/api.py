@@ -59,18 +59,32 @@ def verify(
     values are then drawn per seed. Gradients are checked for every input that requires grad, with a fixed
     random upstream gradient laid out like the case.
 
-    ``mode``: ``"exact"`` demands bit-equal values (NaN in the same places), dtypes and shapes;
-    ``"reference"`` judges each element against a float64 oracle with a derived rounding budget (see
-    :mod:`memtrim.verify.tolerances`); ``"auto"`` tries exact first and falls back to reference.
+    Compared: every output (dicts key by key), every gradient, every input the reference updates in
+    place, and with ``second_order=True`` second derivatives; inputs the candidate alone writes to (also
+    through ``.data``), writes outside a strided input's view, and outputs that alias an input where the
+    reference's do not, fail.
+
+    ``mode``: ``"exact"`` demands the same bits (NaN in the same places; -0.0 is not 0.0), dtypes and
+    shapes; ``"reference"`` judges each element against the float64 oracle with the rounding budget
+    derived by tracing the reference (:mod:`memtrim.verify.budget`, :mod:`memtrim.verify.magnitudes`);
+    ``"auto"`` tries exact first and falls back to reference.
 
     ``dtypes`` default to fp64, fp32, fp16, bf16 (or the inputs as given if none is floating point);
     ``layouts`` to contiguous, noncontiguous (NaN-poisoned strided slices), transposed, expanded; ``seeds``
     to 0, 1, 2. ``autocast=True`` adds autocast cases (bf16 on CPU; fp16 and bf16 on CUDA). ``variants``
     maps a name to more inputs (e.g. ``{"batchless": ..., "empty": ...}``) run over the same matrix.
     ``probes`` are cancellation probes: inputs whose exact result or gradient is zero somewhere, where the
-    candidate must then give exactly zero. ``abs_reference`` supplies S (called on |inputs| in float64)
-    when the reference cannot be traced; ``reduction_length`` then gives n. ``memory`` tracks both
-    callables' peak and largest temporary per case through memtrim's tracker.
+    candidate must then give exactly zero. ``abs_reference`` is a stand-in whose traced budget replaces
+    the reference's (for a reference with an op the tracer has no rule for); if it cannot be traced
+    either, it is called on |inputs| in float64 and gives S, with ``reduction_length`` products summed per
+    element. ``c`` is the reordering constant. ``memory`` tracks both callables' peak and largest
+    temporary per case through memtrim's tracker.
+
+    >>> import torch
+    >>> r = verify(torch.relu, lambda x: x * (x > 0), (torch.randn(3, 4),), mode="exact", seeds=(0,),
+    ...            dtypes=("fp32",), layouts=("contiguous",), memory=False)
+    >>> r.passed, "other sign of zero" in r.failures[0].message   # -0.0 where x < 0
+    (False, True)
     """
     t0 = time.perf_counter()
     if mode not in MODES:

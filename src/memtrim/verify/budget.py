@@ -3,7 +3,7 @@
 
 A candidate in ``reference`` mode passes an element where
 
-    |cand - oracle| <= k * |orig - oracle| + (1 + r) * (E + u_out * |oracle|)
+    |cand - oracle| <= k * |orig - oracle| + (1 + r) * (E + u_out * |oracle| + eta_out)
 
 ``orig`` is the reference run in the case's dtype, ``oracle`` the reference in float64 on the same rounded
 inputs, and E the first-order bound on the rounding error of the reference's computation in the case's
@@ -16,7 +16,8 @@ at most E; so does the oracle itself in float64, which is what the ``(1 + r)`` c
 
 * ``k`` (:data:`K_FACTORS`): 2 for outputs and inputs updated in place, 3 for gradients — the multiples
   FlashAttention's tests allow over a plain PyTorch implementation's error.
-* ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make.
+* ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make;
+  ``eta_out`` the absolute error of that rounding into the subnormals (:attr:`Rounding.eta`).
 * ``u`` and ``u_acc``: the storage and accumulator unit roundoffs of the case (:func:`rounding_for`).
 * ``c`` (:data:`C_REORDER`): see below.
 
@@ -62,13 +63,20 @@ K_FACTORS.add("update", 2.0)
 
 @dataclass(frozen=True)
 class Rounding:
-    """How a computation in ``dtype`` rounds: its own unit roundoff and that of its accumulator."""
+    """How a computation in ``dtype`` rounds: its own unit roundoff and that of its accumulator.
+
+    ``eta`` is the absolute error of rounding into the subnormal range (half the smallest subnormal):
+    the standard model with gradual underflow is ``fl(x) = x * (1 + d) + e`` with ``|d| <= u`` and
+    ``|e| <= eta`` (Higham, *Accuracy and Stability*, section 2.1). It matters in fp16, whose subnormals
+    start at 2**-14: a softmax over long rows stores many of its outputs there.
+    """
 
     dtype: torch.dtype
     u: float
     acc_dtype: torch.dtype
     u_acc: float
     why: str
+    eta: float = 0.0
 
 
 RoundingRule = Callable[[torch.dtype], Rounding]
@@ -91,25 +99,50 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2.0
 
 
+def underflow(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of ``dtype``: the absolute error of rounding into its subnormals.
+
+    >>> underflow(torch.float16) == 2.0**-25, underflow(torch.bfloat16) == 2.0**-134
+    (True, True)
+    """
+    info = torch.finfo(dtype)
+    return float(info.smallest_normal) * float(info.eps) / 2.0
+
+
 @register_rounding(torch.float16, torch.bfloat16)
 def _half(dtype: torch.dtype) -> Rounding:
     # CPU kernels and GPU tensor cores accumulate half-precision reductions in fp32 (PyTorch's opmath).
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float32,
+        unit_roundoff(torch.float32),
+        "fp32 accumulate",
+        underflow(dtype),
     )
 
 
 @register_rounding(torch.float32)
 def _single(dtype: torch.dtype) -> Rounding:
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float32,
+        unit_roundoff(torch.float32),
+        "fp32 accumulate",
+        underflow(dtype),
     )
 
 
 @register_rounding(torch.float64)
 def _double(dtype: torch.dtype) -> Rounding:
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float64, unit_roundoff(torch.float64), "fp64 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float64,
+        unit_roundoff(torch.float64),
+        "fp64 accumulate",
+        underflow(dtype),
     )
 
 
@@ -119,7 +152,7 @@ def _autocast_half(dtype: torch.dtype) -> Rounding:
     # Those input roundings perturb each product by at most 2u, which the reordering term with
     # u_acc = u(dtype) covers (c * sqrt(n) >= 2), so the budget uses the low dtype's unit roundoff.
     u = unit_roundoff(dtype)
-    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {dtype_name(dtype)}")
+    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {dtype_name(dtype)}", underflow(dtype))
 
 
 class NoRoundingRule(LookupError):
@@ -166,6 +199,7 @@ def elementwise_budget(
     k: float,
     u_out: float,
     oracle_share: float,
+    eta_out: float = 0.0,
 ) -> torch.Tensor:
     """The per-element budget (float64) of the rule in the module docstring.
 
@@ -173,7 +207,8 @@ def elementwise_budget(
     >>> elementwise_budget(0 * one, one, 2**-52 * one, k=2, u_out=2**-53, oracle_share=1.0) * 2**53
     tensor([6.], dtype=torch.float64)
     """
-    return oracle.abs().mul_(u_out).add_(e).mul_(1.0 + oracle_share).add_(orig_err, alpha=k)
+    final = oracle.abs().mul_(u_out).add_(eta_out)  # the final rounding, into subnormals too
+    return final.add_(e).mul_(1.0 + oracle_share).add_(orig_err, alpha=k)
 
 
 def tensorwise_budget(orig_err: torch.Tensor, oracle: torch.Tensor, *, k: float, u_out: float) -> float:

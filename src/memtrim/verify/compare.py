@@ -163,6 +163,7 @@ def compare_reference(
             k=k,
             u_out=out_r.u,
             oracle_share=oracle_share(case_r),
+            eta_out=out_r.eta,
         )
         q.rule = f"per element, budget {b.source}"
         pos = s > 0

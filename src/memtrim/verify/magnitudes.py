@@ -10,15 +10,17 @@ The oracle of a case is the reference run in float64 on the case's rounded input
   itself, so a difference that cancels (``x - mean(x)``) keeps a tight budget downstream.
 * **E**, the error: a first-order bound on how far an implementation of the same computation in the case's
   precision can be from the exact value, given that (a) every op's result is rounded to the storage dtype
-  (unit roundoff ``u``), the way an unfused rewrite that stores each step would round it; (b) a reduction
+  (unit roundoff ``u``, and ``eta`` absolutely where it underflows into the subnormals), the way an
+  unfused rewrite that stores each step would round it; (b) a reduction
   of ``N`` terms accumulates in its opmath dtype (``u_acc``) in any order, erring by at most
   ``min(c*sqrt(N), N) * u_acc * S`` (Higham and Mary's probabilistic bound, and the worst case below
   ``N = c**2``); (c) a transcendental function errs by its documented ulps (:data:`FUNCTION_ULPS`); (d)
   incoming errors propagate through the op's derivative: ``|f'(x)| * E(x)`` for an elementwise ``f``,
   ``E(a) @ S(b) + S(a) @ E(b)`` for a product, and so on.
 
-E excludes the rounding of the value itself: a consumer adds ``u * S`` for each input that was rounded
-(the *rounded* flag, a third shadow), and the budget of a final output adds ``u_out * |value|``.
+E excludes the rounding of the value itself: a consumer adds ``u * S + eta`` for each input that was
+rounded (the *rounded* flag, a third shadow), and the budget of a final output adds ``u_out * |value|``
+(plus its ``eta``).
 
 The shadows live in tensors shaped like each storage (float64, float64, bool) and are found through the
 storage, so every view of a tensor sees its own slice, and an in-place op writes the shadows of the
@@ -104,6 +106,7 @@ class Tracer:
     def __init__(self, rounding: Rounding, c: float = C_REORDER) -> None:
         self.u = rounding.u
         self.u_acc = rounding.u_acc
+        self.eta = rounding.eta
         self.c = c
         self.rng_used = False
         self._shadows: weakref.WeakKeyDictionary[Any, _Shadow] = weakref.WeakKeyDictionary()
@@ -133,7 +136,7 @@ class Tracer:
         return abs(float(x)) if isinstance(x, (int, float)) else x
 
     def e(self, x: Any) -> Any:
-        """The error bound of ``x`` as stored: its propagated error plus its own rounding (``u * S``).
+        """The error bound of ``x`` as stored: its propagated error plus its own rounding (``u * S + eta``).
         ``0.0`` (a number) for an exact input, constant or number."""
         if not isinstance(x, torch.Tensor):
             return 0.0
@@ -141,7 +144,7 @@ class Tracer:
         if sh is None:
             return 0.0
         e, q = self._view(sh.e, x), self._view(sh.q, x)
-        return torch.where(q, e + self.u * self._view(sh.s, x), e)
+        return torch.where(q, e + self.u * self._view(sh.s, x) + self.eta, e)
 
     def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(S, E before its own rounding, rounded) of ``x``, for ops that move values without arithmetic."""
