@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memtrim.trace.model import Allocation, OpRow, Phase, TraceLog
 
 _NO_OP = -1
 
 
+_base_names: dict[str, str] = {}
+
+
 def base_name(op: str) -> str:
     """``aten.mul_.Tensor`` -> ``mul_``: the op without its namespace and overload."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
+    name = _base_names.get(op)
+    if name is None:
+        parts = op.split(".")
+        name = _base_names[op] = parts[1] if len(parts) > 2 else parts[-1]
+    return name
 
 
 def writes_in_place(op: str) -> bool:
@@ -41,6 +47,23 @@ class Flow:
     """Op number -> the ids of the allocations it made (empty for views and in-place ops)."""
     readers: list[tuple[int, ...]]
     """Allocation id -> the numbers of the ops that were handed it, ascending."""
+    names: list[str]
+    """Op number -> its base name (``mul`` for ``aten.mul.Tensor``)."""
+    _next: dict[Phase, list[int]] = field(default_factory=dict, repr=False, compare=False)
+
+    def next_in(self, phase: Phase) -> list[int]:
+        """For each op number, the number of the first op of ``phase`` after it (``len(ops)``: none)."""
+        found = self._next.get(phase)
+        if found is None:
+            ops = self.ops
+            found = [len(ops)] * len(ops)
+            upcoming = len(ops)
+            for seq in range(len(ops) - 1, -1, -1):
+                found[seq] = upcoming
+                if ops[seq].phase is phase:
+                    upcoming = seq
+            self._next[phase] = found
+        return found
 
     @property
     def recorded(self) -> bool:
@@ -78,15 +101,6 @@ class Flow:
         i = bisect.bisect_right(readers, tick, key=lambda seq: ticks[seq])
         return list(readers[i:])
 
-    def next_op_in(self, phase: Phase, after: int, *, limit: int | None = None) -> int | None:
-        """The first op of ``phase`` numbered above ``after`` (and below ``limit``), if any."""
-        ops = self.ops
-        end = len(ops) if limit is None else min(limit, len(ops))
-        for seq in range(after + 1, end):
-            if ops[seq].phase is phase:
-                return seq
-        return None
-
 
 def build_flow(log: TraceLog) -> Flow:
     ops = log.ops.rows
@@ -117,4 +131,5 @@ def build_flow(log: TraceLog) -> Flow:
         producer=producer,
         outputs=[tuple(o) for o in outputs],
         readers=[tuple(r) for r in readers],
+        names=[base_name(row.op) for row in ops],
     )

@@ -31,9 +31,18 @@ class LiveCurve:
     live: list[int] = field(default_factory=list)
     charged: dict[int, int] = field(default_factory=dict)
     """Allocation id -> bytes charged for it."""
+    _events: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ticks)
+
+    def events_of(self, ident: int) -> list[int]:
+        """Indexes of allocation ``ident``'s events (its allocation and its free), indexed on first use."""
+        if not self._events and self.ids:
+            index = self._events
+            for i, other in enumerate(self.ids):
+                index.setdefault(other, []).append(i)
+        return self._events.get(ident, [])
 
     def live_after(self, tick: int) -> int:
         """Live bytes just after ``tick`` (0 before the first event)."""

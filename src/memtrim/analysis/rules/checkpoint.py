@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import attribute_path, base_name, numel
+from memtrim.analysis.rules.common import attribute_path, numel
 from memtrim.analysis.whatif import Added, Edits
 from memtrim.trace.model import Allocation, Phase, Site
 from memtrim.units import format_bytes
@@ -52,14 +52,21 @@ def _instance(module: str) -> tuple[str, str] | None:
     return None
 
 
-def _outermost_instance(module: str | None) -> tuple[str, str] | None:
+def _outermost_instance(
+    module: str | None, known: dict[str, tuple[str, str] | None]
+) -> tuple[str, str] | None:
     """(container, block) of the outermost indexed module on the path: a block, not a layer in it."""
-    found = _instance(module) if module else None
+    if module is None:
+        return None
+    if module in known:
+        return known[module]
+    found = _instance(module)
     while found is not None:
         outer = _instance(found[0])
         if outer is None:
             break
         found = outer
+    known[module] = found
     return found
 
 
@@ -67,15 +74,17 @@ def _groups(flow: Flow) -> dict[str, dict[str, _Block]]:
     """Indexed blocks by container, with their forward runs and the backward ops run for them (a
     backward op carries the module of the forward op that made its node), from the module paths."""
     groups: dict[str, dict[str, _Block]] = {}
+    known: dict[str, tuple[str, str] | None] = {}
     current: _Block | None = None
     for seq, row in enumerate(flow.ops):
-        found = _outermost_instance(row.module) if row.phase in (Phase.FORWARD, Phase.BACKWARD) else None
+        phase = row.phase
+        found = _outermost_instance(row.module, known) if phase in (Phase.FORWARD, Phase.BACKWARD) else None
         if found is None:
             current = None
             continue
         container, instance = found
         block = groups.setdefault(container, {}).setdefault(instance, _Block(instance))
-        if row.phase is Phase.BACKWARD:
+        if phase is Phase.BACKWARD:
             block.backward.append(seq)
             current = None
             continue
@@ -92,7 +101,7 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
     shape and its operands' storage sizes: the contraction length is the smallest one the operands
     allow (a slice's storage is larger than the slice)."""
     row = flow.ops[seq]
-    name = base_name(row.op)
+    name = flow.names[seq]
     outs = flow.outputs[seq]
     if name not in ("mm", "addmm", "bmm", "baddbmm") or len(outs) != 1:
         return 0

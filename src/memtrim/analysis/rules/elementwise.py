@@ -86,7 +86,7 @@ def _broadcast_products(analysis: Analysis) -> dict[Site | None, list[tuple[Allo
     found: dict[Site | None, list[tuple[Allocation, Allocation, int]]] = {}
     for seq, row in enumerate(flow.ops):
         made = flow.outputs[seq]
-        if len(made) != 1 or base_name(row.op) != "mul" or len(row.inputs) < 2:
+        if len(made) != 1 or flow.names[seq] != "mul" or len(row.inputs) < 2:
             continue
         product = allocations[made[0]]
         if product.saved or not is_float(product):
@@ -95,7 +95,7 @@ def _broadcast_products(analysis: Analysis) -> dict[Site | None, list[tuple[Allo
         if any(numel(allocations[i]) * BROADCAST_FACTOR > size for i in row.inputs):
             continue  # not a broadcast: (x.exp() * 2), x * y of one shape
         consumers = [r for r in flow.readers[product.id] if not is_view_like(flow.ops[r], flow.outputs[r])]
-        if len(consumers) != 1 or base_name(flow.ops[consumers[0]].op) not in _REDUCTIONS:
+        if len(consumers) != 1 or flow.names[consumers[0]] not in _REDUCTIONS:
             continue
         outs = flow.outputs[consumers[0]]
         if len(outs) != 1 or numel(allocations[outs[0]]) * BROADCAST_FACTOR > size:
@@ -115,7 +115,7 @@ def broadcast_then_reduce(analysis: Analysis) -> list[Diagnosis]:
         first = next((f for f in found if f[0].phase is not Phase.BACKWARD), found[0])
         product, reduced, reduction = first
         operands = [allocations[i] for i in flow.inputs_of(product)]
-        reduce_op = base_name(flow.ops[reduction].op)
+        reduce_op = flow.names[reduction]
         eq = einsum_equation([o.shape for o in operands], product.shape, reduced.shape)
         names = ", ".join("xyzuvw"[i] if i < 6 else f"t{i}" for i in range(len(operands)))
         shapes = ", ".join(f"{n} {dims(o.shape)}" for n, o in zip(names.split(", "), operands, strict=True))
@@ -218,7 +218,7 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
         if last is None or ops[last].phase is not a.phase:
             continue
         row = ops[last]
-        name = base_name(row.op)
+        name = flow.names[last]
         made = flow.outputs[last]
         if name not in _ELEMENTWISE or writes_in_place(row.op) or len(made) != 1 or made[0] in taken:
             continue

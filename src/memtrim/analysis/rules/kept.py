@@ -13,21 +13,8 @@ from memtrim.trace.model import Allocation, Phase, Site
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
-    from memtrim.analysis.flow import Flow
 
 _CACHE_COPIES = frozenset({"cat", "copy_", "index_copy", "index_copy_", "slice_scatter", "_to_copy", "clone"})
-
-
-def next_backward(flow: Flow) -> list[int]:
-    """For each op number, the number of the first backward op after it (len(ops) where none)."""
-    ops = flow.ops
-    out = [len(ops)] * len(ops)
-    upcoming = len(ops)
-    for seq in range(len(ops) - 1, -1, -1):
-        out[seq] = upcoming
-        if ops[seq].phase is Phase.BACKWARD:
-            upcoming = seq
-    return out
 
 
 def _names_a_cache(site: Site | None) -> bool:
@@ -66,7 +53,7 @@ def kept_output(analysis: Analysis) -> list[Diagnosis]:
     never read again -> keep only what you need of the output, or ``del`` it before ``backward()``.
     The what-if frees it just before backward starts."""
     ops = analysis.flow.ops
-    upcoming = next_backward(analysis.flow)
+    upcoming = analysis.flow.next_in(Phase.BACKWARD)
     groups: dict[Site | None, list[tuple[Allocation, int]]] = {}
     for a, start in _held_through_backward(analysis, upcoming):
         if not _names_a_cache(a.site):
@@ -108,13 +95,13 @@ def cache_copies(analysis: Analysis) -> tuple[list[Allocation], Edits]:
     backward that consumed it). What the attention reads instead (the projection's view, or its own
     contiguous copy of it) depends on strides the trace does not keep; it is counted as the copy."""
     flow, allocations, ops = analysis.flow, analysis.allocations, analysis.flow.ops
-    upcoming = next_backward(flow)
+    upcoming = flow.next_in(Phase.BACKWARD)
     free_at: dict[int, float | None] = {}
     blamed: list[Allocation] = []
     for seq, row in enumerate(ops):
         if row.phase is not Phase.FORWARD or not _names_a_cache(row.site):
             continue
-        if base_name(row.op) not in _CACHE_COPIES or len(flow.outputs[seq]) != 1:
+        if flow.names[seq] not in _CACHE_COPIES or len(flow.outputs[seq]) != 1:
             continue
         copy = allocations[flow.outputs[seq][0]]
         sources = [allocations[i] for i in row.inputs if allocations[i].bytes > 0]

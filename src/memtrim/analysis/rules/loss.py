@@ -134,13 +134,13 @@ def _losses(analysis: Analysis) -> dict[tuple[Site | None, Site | None], list[_L
     ops = flow.ops
     found: dict[tuple[Site | None, Site | None], list[_Loss]] = {}
     for seq, row in enumerate(ops):
-        if base_name(row.op) not in _LOG_SOFTMAX or row.phase is not Phase.FORWARD or not row.inputs:
+        if flow.names[seq] not in _LOG_SOFTMAX or row.phase is not Phase.FORWARD or not row.inputs:
             continue
         made = flow.outputs[seq]
         if len(made) != 1 or len(allocations[made[0]].shape) < 2:
             continue
         log_probs = allocations[made[0]]
-        nll = [r for r in flow.readers[log_probs.id] if base_name(ops[r].op) in _NLL]
+        nll = [r for r in flow.readers[log_probs.id] if flow.names[r] in _NLL]
         chain = _source_through_copies(flow, allocations, allocations[row.inputs[0]])
         matmul = flow.made_by(chain[-1])
         if not nll or matmul is None or base_name(matmul.op) not in _MATMULS:
@@ -277,7 +277,7 @@ def _wide_because_of(
                     member.add(out)
                     downstream.append(out)
                     frontier.append(out)
-                elif a.dtype == narrow and base_name(row.op) == "_to_copy":
+                elif a.dtype == narrow and flow.names[seq] == "_to_copy":
                     member.add(out)
                     downcasts.append(out)
     return downstream, downcasts
@@ -302,7 +302,7 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
     flow, allocations = analysis.flow, analysis.allocations
     groups: dict[Site | None, list[tuple[Allocation, Allocation, list[int], list[int]]]] = {}
     for seq, row in enumerate(flow.ops):
-        if base_name(row.op) != "_to_copy" or len(row.inputs) != 1 or len(flow.outputs[seq]) != 1:
+        if flow.names[seq] != "_to_copy" or len(row.inputs) != 1 or len(flow.outputs[seq]) != 1:
             continue
         up, source = allocations[flow.outputs[seq][0]], allocations[row.inputs[0]]
         if not (is_float(up) and is_float(source)) or numel(up) != numel(source):
@@ -334,7 +334,7 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
                     _keep_until(free_at, allocations[producer.inputs[0]], allocations[d].free_tick)
         for ident in remove:
             free_at.pop(ident, None)
-        feeds_loss = any(base_name(flow.ops[r].op) in _LOG_SOFTMAX for r in flow.readers[up.id])
+        feeds_loss = any(flow.names[r] in _LOG_SOFTMAX for r in flow.readers[up.id])
         hint = (
             " (it feeds a cross-entropy: memtrim.fixes.chunked_linear_cross_entropy upcasts one chunk at "
             "a time)"

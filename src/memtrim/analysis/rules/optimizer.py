@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING
 
 from memtrim.analysis.categories import Category
 from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import base_name, where, writes_in_place
+from memtrim.analysis.rules.common import where, writes_in_place
 from memtrim.analysis.whatif import Added, Edits
 from memtrim.trace.model import Allocation, Fact, Phase, Site
 from memtrim.units import format_bytes
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
-    from memtrim.analysis.flow import Flow
 
 _ADAM_STEP = frozenset({"lerp_", "_foreach_lerp_"})
 """Ops only Adam and AdamW's update runs among torch.optim's (``exp_avg.lerp_(grad, 1 - beta1)``)."""
@@ -33,10 +32,14 @@ def _step_temporaries(analysis: Analysis) -> dict[Site | None, list[Allocation]]
 
 def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
     flow, ops = analysis.flow, analysis.flow.ops
+    step_ops: dict[Site | None, set[str]] = {}
+    for seq, row in enumerate(ops):
+        if row.phase is Phase.OPTIMIZER:
+            step_ops.setdefault(row.site, set()).add(flow.names[seq])
     results = []
     for site, temps in _step_temporaries(analysis).items():
-        names = {base_name(r.op) for r in ops if r.phase is Phase.OPTIMIZER and r.site == site}
-        producers = [base_name(ops[flow.producer[t.id]].op) for t in temps]
+        names = step_ops.get(site, set())
+        producers = [flow.names[flow.producer[t.id]] for t in temps]
         foreach = any(name.startswith("_foreach_") for name in producers)
         adam = bool(names & _ADAM_STEP)
         largest = max(temps, key=lambda t: t.bytes)
@@ -105,22 +108,11 @@ def _is_gradient(analysis: Analysis, a: Allocation) -> bool:
     return Fact.GRADIENT in a.facts or analysis.category(a) is Category.GRADIENT
 
 
-def _next_forward(flow: Flow) -> list[int]:
-    ops = flow.ops
-    out = [len(ops)] * len(ops)
-    upcoming = len(ops)
-    for seq in range(len(ops) - 1, -1, -1):
-        out[seq] = upcoming
-        if ops[seq].phase is Phase.FORWARD:
-            upcoming = seq
-    return out
-
-
 def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
     """Gradients an optimizer step read, still alive when the next forward starts: zeroed in place
     (``set_to_none=False``) or set to None only after that forward began."""
     flow, ops, allocations = analysis.flow, analysis.flow.ops, analysis.allocations
-    upcoming = _next_forward(flow)
+    upcoming = flow.next_in(Phase.FORWARD)
     free_at: dict[int, float | None] = {}
     blamed: list[Allocation] = []
     zeroed_sites: list[Site | None] = []
@@ -129,10 +121,10 @@ def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
         if not _is_gradient(analysis, g):
             continue
         readers = flow.readers[g.id]
-        steps = [r for r in readers if ops[r].phase is Phase.OPTIMIZER and base_name(ops[r].op) not in _ZERO]
+        steps = [r for r in readers if ops[r].phase is Phase.OPTIMIZER and flow.names[r] not in _ZERO]
         if not steps:
             continue
-        zeros = [r for r in readers if r > steps[0] and base_name(ops[r].op) in _ZERO]
+        zeros = [r for r in readers if r > steps[0] and flow.names[r] in _ZERO]
         if zeros:
             # set_to_none=True frees the gradient where it was zeroed; the next backward's gradient
             # then becomes .grad instead of being added into the zeroed one, and lives on in its place
