@@ -80,13 +80,23 @@ def findings(trace: memtrim.Trace, rule: str) -> list[Diagnosis]:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy(hidden @ weight.T, target, ignore_index=-100)`` (mean) one ``[chunk, vocab]``
-    tile at a time, in plain PyTorch: a stand-in for ``memtrim.fixes.chunked_linear_cross_entropy``
-    with the same memory plan (one tile in forward, one in backward, the logits recomputed there, the
-    softmax in fp32, an fp32 weight gradient for half-precision weights)."""
+    """``F.cross_entropy(hidden @ weight.T + bias, target, ignore_index=-100)`` (mean) one
+    ``[chunk, vocab]`` tile at a time, in plain PyTorch: a stand-in for
+    ``memtrim.fixes.chunked_linear_cross_entropy`` with the same memory plan (one tile in forward, one in
+    backward, the logits recomputed there, the softmax in fp32, an fp32 weight gradient for fp16/bf16)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, chunk):  # type: ignore[no-untyped-def, override]
+    def _logits(tile, low, hidden, weight, bias):  # type: ignore[no-untyped-def]
+        rows = hidden.shape[0]
+        out = tile[:rows] if low is None else low[:rows]
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=out)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=out)
+        return out if low is None else tile[:rows].copy_(out)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, chunk):  # type: ignore[no-untyped-def, override]
         tokens, acc = hidden.shape[0], torch.float32
         valid = target != -100
         count = valid.sum()
@@ -97,42 +107,38 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         low = torch.empty(chunk, weight.shape[0], dtype=hidden.dtype) if hidden.dtype != acc else None
         for s in range(0, tokens, chunk):
             e = min(s + chunk, tokens)
-            t = tile[: e - s]
-            if low is None:
-                torch.mm(hidden[s:e], weight.t(), out=t)
-            else:
-                t.copy_(torch.mm(hidden[s:e], weight.t(), out=low[: e - s]))
+            t = ChunkedLinearCrossEntropy._logits(tile, low, hidden[s:e], weight, bias)
             lse[s:e] = torch.logsumexp(t, dim=1)
             picked = t.gather(1, target[s:e, None]).squeeze(1)
             total += ((lse[s:e] - picked) * valid[s:e]).sum()
         del tile, low
-        ctx.save_for_backward(hidden, weight, target, valid, lse, count)
+        ctx.save_for_backward(hidden, weight, bias, target, valid, lse, count)
         ctx.chunk = chunk
         return (total / count).to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[no-untyped-def, override]
-        hidden, weight, target, valid, lse, count = ctx.saved_tensors
+        hidden, weight, bias, target, valid, lse, count = ctx.saved_tensors
         tokens, chunk, acc = hidden.shape[0], ctx.chunk, torch.float32
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=acc)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc)
         tile = torch.empty(chunk, weight.shape[0], dtype=acc)
         low = torch.empty(chunk, weight.shape[0], dtype=hidden.dtype) if hidden.dtype != acc else None
         scale = g.to(acc) / count
         for s in range(0, tokens, chunk):
             e = min(s + chunk, tokens)
-            t = tile[: e - s]
-            if low is None:
-                torch.mm(hidden[s:e], weight.t(), out=t)
-            else:
-                t.copy_(torch.mm(hidden[s:e], weight.t(), out=low[: e - s]))
+            t = ChunkedLinearCrossEntropy._logits(tile, low, hidden[s:e], weight, bias)
             t.sub_(lse[s:e, None]).exp_()
             t[torch.arange(e - s), target[s:e]] -= 1
             t.mul_(valid[s:e, None] * scale)
             g_tile = t if low is None else low[: e - s].copy_(t)
             torch.mm(g_tile, weight, out=grad_hidden[s:e])
             grad_weight.addmm_(t.t(), hidden[s:e].to(acc))
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+            if grad_bias is not None:
+                grad_bias += t.sum(0)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None
 
 
 def chunk_from(finding: Diagnosis) -> int:
