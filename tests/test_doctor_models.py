@@ -23,6 +23,7 @@ from doctor_support import (
     findings,
     measure,
 )
+from torch.utils.checkpoint import checkpoint
 from transformers.loss import loss_utils
 from transformers.models.bert import modeling_bert
 from transformers.models.gpt2 import modeling_gpt2
@@ -271,3 +272,44 @@ def test_vit_classifier_has_no_logits_findings() -> None:
     }
     trace = Step(doctor_vit(), batch).run(whole_output).trace
     assert findings(trace, "logits-cross-entropy") == [] and findings(trace, "upcast-copy") == []
+
+
+def test_gpt2_blocks_are_checkpoint_candidates_where_module_paths_name_them() -> None:
+    torch.manual_seed(0)
+    model = doctor_gpt2(vocab=256, width=128, layers=4)
+    ids = torch.randint(0, 256, (8, TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    before = measure(step)
+    if not any(".h.0" in (row.module or "") for row in before.trace.ops.rows):
+        # paths like GPT2LMHeadModel.transformer.GPT2Block cannot tell the blocks apart: no advice
+        assert findings(before.trace, "checkpoint-candidates") == []
+        pytest.skip("the recorder's module paths name no container indices yet (transformer.h.0)")
+    (candidates,) = findings(before.trace, "checkpoint-candidates")
+    assert 'checkpoint_modules(model, ["transformer.h.*"])' in candidates.fix
+    model.zero_grad(set_to_none=True)
+    blocks = model.transformer.h
+    for block in blocks:
+        inner = block.forward
+        block.forward = lambda *a, inner=inner, **k: checkpoint(inner, *a, use_reentrant=False, **k)
+    try:
+        after = measure(step, rng_states=len(blocks))
+    finally:
+        for block in blocks:
+            del block.forward
+    assert_fix_measures(candidates, before, after)
+
+
+def test_the_chunk_size_is_the_prescriptions_own() -> None:
+    fixes = pytest.importorskip("memtrim.fixes")
+    from memtrim.analysis.rules.loss import chunk_size
+
+    for tokens, vocab, hidden, dtype in [
+        (1024, 50257, 768, torch.float32),
+        (8192, 128256, 4096, torch.bfloat16),
+    ]:
+        assert chunk_size(tokens, vocab, hidden, str(dtype).removeprefix("torch.")) == fixes.auto_chunk_size(
+            tokens, vocab, hidden, dtype
+        )

@@ -83,7 +83,12 @@ def _groups(flow: Flow) -> dict[str, dict[str, _Block]]:
             current = None
             continue
         container, instance = found
-        block = groups.setdefault(container, {}).setdefault(instance, _Block(instance))
+        members = groups.get(container)
+        if members is None:
+            members = groups[container] = {}
+        block = members.get(instance)
+        if block is None:
+            block = members[instance] = _Block(instance)
         if phase is Phase.BACKWARD:
             block.backward.append(seq)
             current = None

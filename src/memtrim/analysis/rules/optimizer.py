@@ -24,24 +24,25 @@ _ZERO = frozenset({"zero_", "_foreach_zero_"})
 
 def _step_temporaries(analysis: Analysis) -> dict[Site | None, list[Allocation]]:
     found: dict[Site | None, list[Allocation]] = {}
+    categories = analysis.categories
     for a in analysis.allocations:
-        if a.phase is Phase.OPTIMIZER and analysis.category(a) is Category.TEMPORARY:
+        if a.phase is Phase.OPTIMIZER and categories[a.id] is Category.TEMPORARY:
             found.setdefault(a.site, []).append(a)
     return found
 
 
 def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
     flow, ops = analysis.flow, analysis.flow.ops
-    step_ops: dict[Site | None, set[str]] = {}
-    for seq, row in enumerate(ops):
-        if row.phase is Phase.OPTIMIZER:
-            step_ops.setdefault(row.site, set()).add(flow.names[seq])
+    adam_sites = {
+        ops[seq].site
+        for seq, name in enumerate(flow.names)
+        if name in _ADAM_STEP and ops[seq].phase is Phase.OPTIMIZER
+    }
     results = []
     for site, temps in _step_temporaries(analysis).items():
-        names = step_ops.get(site, set())
         producers = [flow.names[flow.producer[t.id]] for t in temps]
         foreach = any(name.startswith("_foreach_") for name in producers)
-        adam = bool(names & _ADAM_STEP)
+        adam = site in adam_sites
         largest = max(temps, key=lambda t: t.bytes)
         if adam:
             fix = (
@@ -105,7 +106,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
 def _is_gradient(analysis: Analysis, a: Allocation) -> bool:
     # sharper once the recorder marks .grad storages (Fact.GRADIENT); until then, lifetime: made in
     # backward and alive after it
-    return Fact.GRADIENT in a.facts or analysis.category(a) is Category.GRADIENT
+    return analysis.categories[a.id] is Category.GRADIENT or Fact.GRADIENT in a.facts
 
 
 def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
