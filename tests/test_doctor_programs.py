@@ -68,7 +68,7 @@ def test_logits_cross_entropy_fires_at_the_loss_and_the_chunked_loss_measures_it
     hidden.grad = weight.grad = None
 
     def fixed() -> None:
-        loss = ChunkedLinearCrossEntropy.apply(hidden * 1.0, weight, target, chunk_from(finding))
+        loss = ChunkedLinearCrossEntropy.apply(hidden * 1.0, weight, None, target, chunk_from(finding))
         loss.backward()
 
     after = measure(fixed)
