@@ -230,6 +230,12 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
         following[a.id] = result.id
         taken.add(result.id)
     heads = set(following) - set(following.values())
+    for head in list(heads):
+        made_by = flow.made_by(allocations[head])
+        if allocations[head].phase is Phase.FORWARD and (made_by is None or not made_by.inputs):
+            # a factory's result under grad mode may be a leaf that requires grad: start at the next
+            heads.discard(head)
+            heads.add(following.pop(head))
     by_lines: dict[tuple[Site | None, ...], list[list[int]]] = {}
     for head in sorted(heads):
         chain = [head]
