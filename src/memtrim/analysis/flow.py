@@ -9,8 +9,10 @@ allocations, so no rule needs to scan the trace per allocation.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from memtrim.trace.model import Allocation, OpRow, Phase, TraceLog
 
@@ -35,6 +37,44 @@ def writes_in_place(op: str) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
+class Ragged(Sequence[tuple[int, ...]]):
+    """Rows of ints of varying length, stored flat (``flat[start[i]:start[i + 1]]`` is row ``i``): a
+    few long lists instead of one container per row, so indexing a large trace does not give the
+    garbage collector hundreds of thousands of objects to walk."""
+
+    __slots__ = ("flat", "start")
+
+    def __init__(self, flat: list[int], start: list[int]) -> None:
+        self.flat, self.start = flat, start
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]]) -> Ragged:
+        flat: list[int] = []
+        start = [0]
+        for row in rows:
+            flat.extend(row)
+            start.append(len(flat))
+        return cls(flat, start)
+
+    def __len__(self) -> int:
+        return len(self.start) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, ...]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[int, ...]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[int, ...] | list[tuple[int, ...]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start = self.start
+        return tuple(self.flat[start[index] : start[index + 1]])
+
+    def last(self, index: int) -> int | None:
+        """The last number of row ``index``, or None when it is empty."""
+        end = self.start[index + 1]
+        return self.flat[end - 1] if end > self.start[index] else None
+
+
 @dataclass(frozen=True)
 class Flow:
     """Producer and readers of every allocation, by id; outputs of every op, by op number."""
@@ -43,9 +83,9 @@ class Flow:
     op_ticks: list[int]
     producer: list[int]
     """Allocation id -> the number of the op that made it (-1: from before the region)."""
-    outputs: list[tuple[int, ...]]
+    outputs: Ragged
     """Op number -> the ids of the allocations it made (empty for views and in-place ops)."""
-    readers: list[tuple[int, ...]]
+    readers: Ragged
     """Allocation id -> the numbers of the ops that were handed it, ascending."""
     names: list[str]
     """Op number -> its base name (``mul`` for ``aten.mul.Tensor``)."""
@@ -88,8 +128,7 @@ class Flow:
 
     def last_read(self, a: Allocation) -> int | None:
         """The number of the last op handed ``a``, if any."""
-        readers = self.readers[a.id]
-        return readers[-1] if readers else None
+        return self.readers.last(a.id)
 
     def read_in(self, a: Allocation, phase: Phase) -> bool:
         ops = self.ops
@@ -106,30 +145,54 @@ def build_flow(log: TraceLog) -> Flow:
     ops = log.ops.rows
     op_ticks = [row.tick for row in ops]
     allocations = log.allocations
-    producer = [_NO_OP] * len(allocations)
-    outputs: list[list[int]] = [[] for _ in ops]
-    for a in allocations:
-        if a.preexisting:
-            continue
-        seq = bisect.bisect_right(op_ticks, a.alloc_tick) - 1
-        if seq >= 0:
-            producer[a.id] = seq
-            outputs[seq].append(a.id)
-    readers: list[list[int]] = [[] for _ in allocations]
     count = len(allocations)
+    producer = [_NO_OP] * count
+    made = [0] * (len(ops) + 1)  # allocations made per op, then offsets
+    for a in allocations:
+        if not a.preexisting:
+            seq = bisect.bisect_right(op_ticks, a.alloc_tick) - 1
+            if seq >= 0:
+                producer[a.id] = seq
+                made[seq + 1] += 1
+    out_start = list(itertools.accumulate(made))
+    out_flat = [0] * out_start[-1]
+    fill = out_start[:-1]
+    for ident, seq in enumerate(producer):  # ids ascending: each op's outputs in the order made
+        if seq >= 0:
+            out_flat[fill[seq]] = ident
+            fill[seq] += 1
+    # the readers: (allocation, op) pairs in op order, then a stable counting sort by allocation
+    pairs_a: list[int] = []
+    pairs_op: list[int] = []
     for seq, row in enumerate(ops):
         last = -1
         for ident in row.inputs:
             if ident != last and 0 <= ident < count:  # an op handed one storage twice reads it once
-                got = readers[ident]
-                if not got or got[-1] != seq:
-                    got.append(seq)
+                pairs_a.append(ident)
+                pairs_op.append(seq)
             last = ident
+    read = [0] * (count + 1)
+    for ident in pairs_a:
+        read[ident + 1] += 1
+    read_start = list(itertools.accumulate(read))
+    read_flat = [0] * read_start[-1]
+    fill = read_start[:-1]
+    previous = [-1] * count
+    for ident, seq in zip(pairs_a, pairs_op, strict=True):
+        if previous[ident] != seq:  # one op handing the same storage twice, not adjacent
+            read_flat[fill[ident]] = seq
+            fill[ident] += 1
+            previous[ident] = seq
+    if fill != read_start[1:]:  # duplicates dropped: close the gaps
+        rows = [read_flat[read_start[i] : fill[i]] for i in range(count)]
+        readers = Ragged.of(rows)
+    else:
+        readers = Ragged(read_flat, read_start)
     return Flow(
         ops=ops,
         op_ticks=op_ticks,
         producer=producer,
-        outputs=[tuple(o) for o in outputs],
-        readers=[tuple(r) for r in readers],
+        outputs=Ragged(out_flat, out_start),
+        readers=readers,
         names=[base_name(row.op) for row in ops],
     )
