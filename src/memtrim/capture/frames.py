@@ -106,7 +106,7 @@ _sites: dict[tuple[int, int], Site] = {}
 _lines: dict[int, list[int]] = {}  # id(code) -> the lines it has in _sites
 
 
-class _CodeRef(weakref.ref):  # type: ignore[type-arg]
+class _CodeRef(weakref.ref[CodeType]):
     __slots__ = ("key",)
     key: int
 
