@@ -7,10 +7,13 @@ Users call :func:`memtrim.track`, which wraps this and adds the analysis on top;
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
 
+from memtrim.capture import compiled, outside
+from memtrim.capture.fork import PID_KEY
 from memtrim.capture.recorder import Recorder
 from memtrim.trace.model import TraceLog
 
@@ -30,6 +33,7 @@ class _CudaPeak:
         )
         self.start = {d: torch.cuda.memory_allocated(d) for d in self.devices}
         self.seen_max = dict(self.start)
+        self.pid = os.getpid()
 
     def begin(self) -> None:
         for d in self.devices:
@@ -40,7 +44,10 @@ class _CudaPeak:
         _open_cuda_watches.append(self)
 
     def end(self) -> dict[str, int]:
-        _open_cuda_watches.remove(self)
+        if self in _open_cuda_watches:
+            _open_cuda_watches.remove(self)
+        if os.getpid() != self.pid:  # a forked child, where CUDA cannot be used
+            return {}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # CUDA first initialised inside the region: its whole history is the region's
             for d in range(torch.cuda.device_count()):
@@ -74,9 +81,14 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
     means made in forward and freed in backward.
     """
     trace = TraceLog(fake=fake)
+    trace.metadata[PID_KEY] = os.getpid()
     recorder = Recorder(trace)
     cuda = _CudaPeak()
     with contextlib.ExitStack() as stack:
+        compiled.acquire()
+        stack.callback(compiled.release, trace)
+        outside.acquire()
+        stack.callback(outside.release)
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 

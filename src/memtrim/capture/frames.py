@@ -33,6 +33,7 @@ _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
 _MEMTRIM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # memtrim's own example systems are user code: their lines are what a report should point at.
 _USER_INSIDE_MEMTRIM = (os.path.join(_MEMTRIM_DIR, "cases") + os.sep,)
+_CAPTURE_DIR = os.path.join(_MEMTRIM_DIR, "capture") + os.sep
 
 
 def _stdlib_roots() -> tuple[str, ...]:
@@ -209,5 +210,31 @@ def inside_function_forward(frame: FrameType | None) -> bool:
     while frame is not None:
         if frame.f_code is _FUNCTION_APPLY:
             return True
+        frame = frame.f_back
+    return False
+
+
+def runs_code(frame: FrameType | None, code: CodeType) -> bool:
+    """True if ``code`` is running somewhere up the stack from ``frame``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def called_by_memtrim(frame: FrameType | None) -> bool:
+    """True if the code that called into torch here is memtrim's own (not its cases): what memtrim's
+    harnesses allocate (verify's RNG bookkeeping) is not the program's memory."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_USER_INSIDE_MEMTRIM):
+            return False
+        if name.startswith(_MEMTRIM_DIR):
+            # memtrim.capture itself (the wrapper that asks) is not a caller
+            if not name.startswith(_CAPTURE_DIR):
+                return True
+        elif not (name.startswith(_TORCH_DIR) or _is_stdlib(name) or name.startswith("<frozen")):
+            return False
         frame = frame.f_back
     return False
