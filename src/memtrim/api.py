@@ -16,7 +16,7 @@ from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak, analyze
 from memtrim.capture.api import record
 from memtrim.report import json as report_json
 from memtrim.report.terminal import render
-from memtrim.trace import serialize
+from memtrim.trace import serialize, stream
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
 
 
@@ -128,8 +128,8 @@ class Trace:
         return {"schema": raw.pop("schema"), **report_json.summary(self.analysis), **raw}
 
     def save(self, path: str) -> None:
-        """Write the JSON form to ``path`` atomically."""
-        serialize.save(self.log, path, report_json.summary(self.analysis))
+        """Write the JSON form to ``path`` atomically, in bounded memory (:mod:`memtrim.trace.stream`)."""
+        stream.save(self.log, path, report_json.summary(self.analysis))
 
     def __repr__(self) -> str:
         state = "finished" if self.log.finished else "recording"
@@ -140,7 +140,7 @@ class Trace:
 
 
 @contextlib.contextmanager
-def track(*, fake: bool = False) -> Iterator[Trace]:
+def track(*, fake: bool = False, steps: range | None = None) -> Iterator[Trace]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
     Yields a :class:`Trace` that is complete when the block exits — also when it exits by an
@@ -152,13 +152,16 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
     the block are turned into fake ones when used. Code that reads values (``.item()``, printing,
     data-dependent shapes) cannot run fake.
 
+    ``steps=range(a, b)`` records only training steps ``a`` to ``b - 1`` (a step ends when an
+    optimizer's ``step()`` returns) and runs the rest at full speed: for runs of hours.
+
     >>> import torch, memtrim
     >>> with memtrim.track() as trace:
     ...     y = torch.ones(1024)
     >>> trace.peak_bytes
     4096
     """
-    with record(fake=fake) as log:
+    with record(fake=fake, steps=steps) as log:
         yield Trace(log)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from memtrim.capture import compiled, outside
 from memtrim.capture.fork import PID_KEY
 from memtrim.capture.recorder import Recorder
+from memtrim.capture.steps import StepWindow
 from memtrim.trace.model import TraceLog
 
 # Trackers open right now (outermost first), so that an inner one resetting CUDA's peak statistic
@@ -62,8 +63,23 @@ class _CudaPeak:
         return result
 
 
+def _window_cuda(trace: TraceLog) -> dict[str, Callable[[], None]]:
+    """The CUDA peak watch of a step window: from the window's first step to its last."""
+    watch: list[_CudaPeak] = []
+
+    def on_open() -> None:
+        watch.append(_CudaPeak())
+        watch[0].begin()
+
+    def on_close() -> None:
+        if watch:
+            trace.cuda_max_allocated.update(watch.pop().end())
+
+    return {"on_open": on_open, "on_close": on_close}
+
+
 @contextlib.contextmanager
-def record(*, fake: bool = False) -> Iterator[TraceLog]:
+def record(*, fake: bool = False, steps: range | None = None) -> Iterator[TraceLog]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
     Yields a :class:`~memtrim.trace.TraceLog` that is complete when the block exits — also when it exits
@@ -79,6 +95,13 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
     hooks: the program runs with autograd's own saving, version checks and error messages. Under the
     user's own saved-tensor hooks (checkpointing, offloading) the nodes are not read, and "saved"
     means made in forward and freed in backward.
+
+    ``steps=range(a, b)`` records only training steps ``a`` to ``b - 1`` of the block (a step ends when
+    an optimizer's ``step()`` returns; step 0 starts with the block), and runs the rest untracked at
+    full speed: what a run of hours needs (see :mod:`memtrim.capture.steps`).
+
+    While the block runs, ``torch.compile``'d code runs eagerly (:mod:`memtrim.capture.compiled`), and
+    a process forked inside it records nothing (:mod:`memtrim.capture.fork`).
     """
     trace = TraceLog(fake=fake)
     trace.metadata[PID_KEY] = os.getpid()
@@ -93,10 +116,15 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        cuda.begin()
-        stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
+        if steps is None:
+            cuda.begin()
+            stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
         stack.enter_context(recorder)
         stack.callback(recorder.finish)
+        if steps is not None:
+            window = StepWindow(recorder, trace, steps, finish=recorder.finish, **_window_cuda(trace))
+            stack.callback(window.end)
+            window.begin()
         try:
             yield trace
         except BaseException as exc:

@@ -86,6 +86,12 @@ class DetachableMode(TorchDispatchMode):
         self._detached = True
         return True
 
+    def attach(self) -> None:
+        """Put a detached mode back on top of the current thread's dispatch-mode stack."""
+        if self._detached:
+            TorchDispatchMode.__enter__(self)
+            self._detached = False
+
     def forked(self) -> None:
         """Called in a forked child while this mode's region is open: stop, and leave the stack."""
         self.detach()

@@ -597,6 +597,10 @@ class Recorder(DetachableMode):
         ops.append(_row(OpRow, (next(self._clock), name, phase, site, node_name, module)))
         return len(ops) - 1, phase, call_site
 
+    def set_recording(self, on: bool) -> None:
+        """Record from now on, or not (memtrim.capture.steps: outside the chosen steps)."""
+        self._open = on
+
     def forked(self) -> None:
         """In a forked child: the parent's recording is not this process's; stop and leave the stack."""
         self._open = False
