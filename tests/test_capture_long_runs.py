@@ -88,7 +88,6 @@ def _training(steps: int, window: range | None) -> tuple[memtrim.Trace | None, P
     depth: list[int] = []
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     first, stop = (window.start, window.stop) if window is not None else (-1, -1)
-    trace = None
 
     def run() -> None:
         for i, x in enumerate(data):

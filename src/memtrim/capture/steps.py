@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memtrim.capture.fork import DetachableMode
 from memtrim.trace.model import TraceLog
+
+if TYPE_CHECKING:
+    from memtrim.capture.recorder import Recorder
 
 STEPS_KEY = "steps"
 """The :attr:`TraceLog.metadata` key of ``[first, stop, steps the window saw]``."""
@@ -30,7 +32,7 @@ class StepWindow:
 
     def __init__(
         self,
-        mode: DetachableMode,
+        mode: Recorder,
         log: TraceLog,
         steps: range,
         *,
