@@ -403,7 +403,7 @@ class Recorder(DetachableMode):
                 except (RuntimeError, NotImplementedError, TypeError):
                     continue
                 key = storage._cdata
-                if key not in self._no_memory and not tensor.is_meta:  # (inputs are watched by now)
+                if key not in self._no_memory:  # meta, wrappers: known by now, as inputs are watched
                     sizes.append((tensor, key, storage.nbytes()))
         return sizes
 
