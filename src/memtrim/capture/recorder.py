@@ -278,18 +278,23 @@ class Recorder(DetachableMode):
             else:
                 key = storage._cdata
                 if key not in watches and (nbytes := storage.nbytes()):
-                    if type(t) is not _Tensor or t.is_meta or t.is_nested:
-                        self._new_parts(t, seq, call_site)  # subclass, meta, nested: storages.parts
+                    if type(t) is not _Tensor or t.is_meta:
+                        self._new_parts(t, seq, call_site)  # subclass, meta: storages.parts
                     else:
-                        # a new storage (_new_allocation and _start_watch, inlined)
-                        watch = watches[key] = _StorageWatch(storage, self._queue_free)
-                        watch.index, watch.key = len(rows), key
-                        rows.append(
-                            _row(
-                                AllocRow,
-                                (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site),
+                        try:
+                            shape = t.shape
+                        except RuntimeError:  # a strided nested tensor has no sizes
+                            self._new_parts(t, seq, call_site)
+                        else:
+                            # a new storage (_new_allocation and _start_watch, inlined)
+                            watch = watches[key] = _StorageWatch(storage, self._queue_free)
+                            watch.index, watch.key = len(rows), key
+                            rows.append(
+                                _row(
+                                    AllocRow,
+                                    (seq, nbytes, t.dtype, shape, t.device, next(self._clock), call_site),
+                                )
                             )
-                        )
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending = (weakref.ref(t), seq, info.saves)
                 stamp = False
@@ -382,12 +387,15 @@ class Recorder(DetachableMode):
             del self._watches[watch.key]
 
     def _drain_frees(self) -> None:
-        """Tick the frees queued since the last op, in the order they happened."""
-        freed = self._freed
-        done = 0
-        while done < len(freed):  # (another thread may append meanwhile: it is ticked next time)
-            self._on_free(freed[done])
-            done += 1
+        """Tick the frees queued since the last op, in the order they happened (_on_free, inlined)."""
+        freed, frees, watches = self._freed, self._recorded.frees, self._watches
+        clock, phase = self._clock, self._last_phase
+        done = len(freed)  # (another thread may append meanwhile: that one is ticked next time)
+        for i in range(done):
+            watch = freed[i]
+            frees[watch.index] = _row(FreeRow, (next(clock), phase))
+            if watches.get(watch.key) is watch:
+                del watches[watch.key]
         del freed[:done]
 
     # -- resize_ and out= -------------------------------------------------------------------------
