@@ -74,14 +74,52 @@ def _fit(rows: list[list[str]], widths: list[int]) -> None:
                 row[i] = _shorten(row[i], widths[i], _SHRINKABLE[header[i]])
 
 
+def _row_width(widths: list[int]) -> int:
+    return 2 + sum(widths) + 2 * (len(widths) - 1)
+
+
+def _named_width(rows: list[list[str]], i: int) -> int:
+    """How wide column ``i`` is with each source line's folders dropped (its file name kept)."""
+    width = len(rows[0][i])
+    for row in rows[1:]:
+        site = _SITE.match(row[i])
+        cell = row[i] if site is None else f"{site.group(1).rsplit('/', 1)[-1]}{row[i][len(site.group(1)) :]}"
+        width = max(width, len(cell))
+    return width
+
+
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    header = rows[0]
+    if "line" in header and _row_width(widths) > WIDTH:
+        i = header.index("line")
+        if _row_width([*widths[:i], _named_width(rows, i), *widths[i + 1 :]]) > WIDTH:
+            # too many columns for a source line that still names its file: it goes under its row
+            return _table_lines_below(rows, right, i)
     _fit(rows, widths)
+    return _render_rows(rows, widths, right)
+
+
+def _render_rows(rows: list[list[str]], widths: list[int], right: set[int]) -> list[str]:
     lines = []
     for row in rows:
         pairs = enumerate(zip(row, widths, strict=True))
         cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in pairs]
         lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def _table_lines_below(rows: list[list[str]], right: set[int], i: int) -> list[str]:
+    """The table without its ``line`` column, each row followed by its source line."""
+    rest = [row[:i] + row[i + 1 :] for row in rows]
+    kept = {c if c < i else c - 1 for c in right if c != i}
+    widths = [max(len(row[c]) for row in rest) for c in range(len(rest[0]))]
+    _fit(rest, widths)
+    rendered = _render_rows(rest, widths, kept)
+    lines = [rendered[0]]
+    for row, text in zip(rows[1:], rendered[1:], strict=True):
+        lines.append(text)
+        lines.append("      at " + _shorten(row[i], WIDTH - 9, "left"))
     return lines
 
 

@@ -20,7 +20,8 @@ The package, one module per job (data flows down the list):
 * :mod:`.judge` — judges one case: runs both callables, checks structure and side effects, compares.
 * :mod:`.run` — runs one callable once: forward, gradients, second derivatives, errors, side effects.
 * :mod:`.oracle` — the float64 oracle of a case and its budget inputs; :class:`OracleCache`.
-* :mod:`.magnitudes` — traces the reference on absolute values to derive S and n (:data:`ABS_RULES`).
+* :mod:`.magnitudes` — traces the reference: each value's magnitude S and error bound E
+  (:data:`MAGNITUDE_RULES`).
 * :mod:`.budget` — rounding rules per dtype (:data:`ROUNDING_REGISTRY`) and the budget formulas.
 * :mod:`.compare` — one tensor against the reference: bit-exact, or within the budget.
 * :mod:`.probes` — cancellation probes (exact zeros must stay zero).
