@@ -161,7 +161,15 @@ def test_the_terminal_section_is_three_lines_per_finding() -> None:
     _broadcast(b)
     analysis = analyze(b.build())
     text = render(analysis)
-    section = text[text.index("How to cut it (largest saving first):") :].splitlines()
+    lines = text[text.index("How to cut it (largest saving first):") :].splitlines()
+    assert max(len(line) for line in lines) <= 100  # wrapped under each item's own indent
+    section = lines[:1]
+    for line in lines[1:]:
+        if line.startswith(("  - ", "    write: ", "    peak after: ")):
+            section.append(line)
+        else:  # a continuation, indented under its item
+            assert line.startswith("    ")
+            section[-1] += " " + line.strip()
     assert len(section) == 4
     assert section[1].startswith("  - prog.py:3 in <module>: [64, 12, 64, 768] float32 broadcast product")
     assert section[2].startswith("    write: torch.einsum('abc,bcd->abd', x, y)")

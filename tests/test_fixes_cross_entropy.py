@@ -139,7 +139,7 @@ def test_loss_and_both_gradients_against_float64_in_every_dtype_layout_and_an_em
     dtypes = {c.case.dtype for c in low.cases + f64.cases}
     assert dtypes == {torch.float64, torch.float32, torch.float16, torch.bfloat16}
     rules = {q.rule for c in f64.cases for q in c.quantities if c.case.variant == "default"}
-    assert rules == {"per element, S supplied"}
+    assert rules == {"per element, budget supplied"}
 
 
 def test_float64_without_s_differs_from_the_original_by_a_few_ulps_at_most() -> None:

@@ -346,3 +346,30 @@ def test_every_verify_registry_refuses_duplicates_and_lists_valid_keys() -> None
         K_FACTORS["hessian"]
     # A refused registration leaves the registry as it was.
     assert ABS_RULES[torch.ops.aten.mul] is not None and rounding_for(torch.float16).u == 2.0**-11
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    bias = torch.where(causal, 0.0, float("-inf")).to(q.dtype)  # a -inf bias, as GPT code builds it
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(scores, -1) @ v
+
+
+def test_a_minus_infinity_mask_keeps_a_finite_budget() -> None:
+    # An infinite value is exact (inf - m is -inf, exp(-inf) is 0): its error must not reach the finite
+    # results as inf * 0 = NaN, which made every budget NaN and failed a correct rewrite.
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def rescaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scale = 1.001 / math.sqrt(q.shape[-1])  # 0.1% off: far outside fp32's rounding, inside an inf budget
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    qkv = tuple(torch.randn(2, 8, 16, requires_grad=True) for _ in range(3))
+    good = verify(_masked_attention, sdpa, qkv, dtypes=("fp32", "bf16"), mode="reference", **FAST)
+    good.assert_ok()
+    used = [q.budget_used for c in good.cases for q in c.quantities]
+    assert used and all(u is not None and math.isfinite(u) for u in used)
+    bad = verify(_masked_attention, rescaled, qkv, dtypes=("fp32",), mode="reference", **FAST)
+    assert not bad.passed

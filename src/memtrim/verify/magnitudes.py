@@ -144,7 +144,10 @@ class Tracer:
         if sh is None:
             return 0.0
         e, q = self._view(sh.e, x), self._view(sh.q, x)
-        return torch.where(q, e + self.u * self._view(sh.s, x) + self.eta, e)
+        e = torch.where(q, e + self.u * self._view(sh.s, x) + self.eta, e)
+        # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
+        # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
+        return torch.where(torch.isinf(x), 0.0, e)
 
     def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(S, E before its own rounding, rounded) of ``x``, for ops that move values without arithmetic."""

@@ -65,14 +65,18 @@ def _extreme(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     s, total = tr.s(x), tr.e(x) + torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     values = out[0] if isinstance(out, tuple) else out
+    # an infinite element (a mask's -inf) is the extreme only where the result is infinite too, and
+    # then |result| is its magnitude: its S must not reach finite results
+    s = torch.where(torch.isinf(x), 0.0, s)
     dims = args[1] if len(args) > 1 else kwargs.get("dim", None)
     keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     if x.dim() == 0:
-        tr.set(values, s=s, e=total, rounded=False)
+        picked_s, picked_e = s, total
     elif dims is None or dims == [] or dims == ():
-        tr.set(values, s=s.amax(), e=total.amax(), rounded=False)
+        picked_s, picked_e = s.amax(), total.amax()
     else:
-        tr.set(values, s=s.amax(dims, keepdim=keep), e=total.amax(dims, keepdim=keep), rounded=False)
+        picked_s, picked_e = s.amax(dims, keepdim=keep), total.amax(dims, keepdim=keep)
+    tr.set(values, s=torch.maximum(picked_s, tr.value(values).abs()), e=picked_e, rounded=False)
     return out
 
 
