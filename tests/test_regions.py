@@ -128,3 +128,24 @@ def test_run_region_with_fake_tensors(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["fake"] is True and data["peak_bytes"] == 2 * 1024 * 1024 + 1024 * 4
+
+
+def test_the_terminal_report_lists_each_region_entry_with_its_peak() -> None:
+    with memtrim.track() as trace:
+        for size in (1024, 8192, 2048):
+            with memtrim.region("step"):
+                x = torch.ones(size)  # the only tensor while the entry is open
+                del x
+        with memtrim.region("eval"):
+            y = torch.ones(512)
+    assert trace.analysis.region_peaks == (("step", 4096), ("step", 32768), ("step", 8192), ("eval", 2048))
+    text = trace.report(top=3)
+    section = text[text.index("Regions (memtrim.region), each entry:") :].splitlines()
+    assert section[1].split() == ["region", "entry", "peak", "while", "open"]
+    assert [line.split() for line in section[2:5]] == [
+        ["step", "1", "4", "KiB"],
+        ["step", "2", "32", "KiB"],
+        ["step", "3", "8", "KiB"],
+    ]
+    assert section[5].strip() == "... and 1 more entries (memtrim show --top N)"
+    del y

@@ -9,6 +9,7 @@ the trace's objects for derived facts.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -201,6 +202,20 @@ class Analysis:
             following = next((r.tick for r in rows[i + 1 :] if r.phase is not phase), None)
             ends[phase] = (following if following is not None else self.log.end_tick) - 1
         return {phase: ends[phase] for phase in Phase if phase in ends}
+
+    @functools.cached_property
+    def region_peaks(self) -> tuple[tuple[str, int], ...]:
+        """For each ``memtrim.region`` entry, in order: its name and the highest live bytes above the
+        start while it was open, on the headline peak's device."""
+        curve = self.curve()
+        out = []
+        for r in self.log.regions:
+            end_tick = r.end_tick if r.end_tick is not None else self.log.end_tick
+            lo = bisect.bisect_left(curve.ticks, r.start_tick)
+            hi = bisect.bisect_right(curve.ticks, end_tick)
+            carried = curve.live[lo - 1] if lo > 0 else 0
+            out.append((r.name, max([carried, *curve.live[lo:hi]])))
+        return tuple(out)
 
     @functools.cached_property
     def breakdown_at_phase_end(self) -> dict[Phase, Breakdown]:

@@ -465,6 +465,13 @@ class Recorder(DetachableMode):
         self._watches[watch.key] = watch
         return watch
 
+    def tick(self) -> int:
+        """A tick of this recorder's clock for an event of its own (a region's start or end), after the
+        frees queued so far: a tensor dropped before the event is freed before it."""
+        if self._freed:
+            self._drain_frees()
+        return next(self._clock)
+
     def _drain_frees(self) -> None:
         """Tick the frees queued since the last op, in the order they happened."""
         freed, frees, watches = self._freed, self._recorded.frees, self._watches

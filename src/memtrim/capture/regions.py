@@ -45,8 +45,8 @@ def _running_recorders() -> list[Recorder]:
 
 
 def _now(recorder: Recorder) -> int:
-    # the recorder's own clock, so a region's ticks order with its ops and allocations
-    return next(recorder._clock)
+    # the recorder's own clock, so a region's ticks order with its ops, allocations and frees
+    return recorder.tick()
 
 
 @contextlib.contextmanager

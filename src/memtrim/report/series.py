@@ -174,16 +174,11 @@ def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timel
         phases.append(Span(row.phase.value, float(i), float(n_ops)))
 
     regions: list[Span] = []
-    region_peaks: list[tuple[str, int]] = []
     for r in log.regions:
         end_tick = r.end_tick if r.end_tick is not None else log.end_tick
         start = float(op_index(op_ticks, r.start_tick)) if n_ops else 0.0
         end = float(op_index(op_ticks, end_tick) + 1) if r.end_tick is not None and n_ops else float(n_ops)
         regions.append(Span(r.name, start, max(start, end)))
-        lo = bisect.bisect_left(curve.ticks, r.start_tick)
-        hi = bisect.bisect_right(curve.ticks, end_tick)
-        carried = curve.live[lo - 1] if lo > 0 else 0
-        region_peaks.append((r.name, max([carried, *curve.live[lo:hi]])))
 
     peak = analysis.peak
     peak_x = float(op_index(op_ticks, peak.tick)) if peak.tick is not None else None
@@ -200,5 +195,5 @@ def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timel
         regions=tuple(regions),
         peak_x=peak_x,
         peak_bytes=peak.bytes,
-        region_peaks=tuple(region_peaks),
+        region_peaks=analysis.region_peaks,
     )

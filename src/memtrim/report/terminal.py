@@ -236,6 +236,15 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
             f"  torch.cuda.max_memory_allocated over the region on {safe(device)}: {format_bytes(measured)}"
         )
 
+    if len(analysis.region_peaks) > 1:  # one entry is the whole trace: its peak is the headline
+        rows = [["region", "entry", "peak while open"]]
+        counts: dict[str, int] = {}
+        for name, n in analysis.region_peaks:
+            counts[name] = counts.get(name, 0) + 1
+            rows.append([safe(name), str(counts[name]), format_bytes(n)])
+        out += ["", "Regions (memtrim.region), each entry:", *_table(rows[: top + 1], right={1, 2})]
+        if len(rows) > top + 1:
+            out.append(f"  ... and {len(rows) - top - 1} more entries (memtrim show --top N)")
     out += _roles("At the peak, by role:", analysis.breakdown_at_peak)
     out += _lines("Alive at the peak, by source line:", analysis.lines_at_peak, peak.bytes, top)
 
