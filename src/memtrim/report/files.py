@@ -3,31 +3,13 @@ permissions ``open()`` would give, as traces are written."""
 
 from __future__ import annotations
 
-import os
-import secrets
-
-from memtrim.trace.serialize import write_text_atomically
+from memtrim.trace.serialize import atomic_file, write_text_atomically
 
 
 def write_bytes_atomically(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash never leaves half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.memtrim-tmp")
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except OSError:
-        mode = None
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, binary=True) as handle:
+        handle.write(data)
 
 
 def write_text(path: str, text: str) -> None:

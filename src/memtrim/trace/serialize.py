@@ -7,11 +7,12 @@ program wants first: peak, live set, diagnoses); loading reads the raw log and i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, Any, TypeVar
 
 from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
 
@@ -301,8 +302,10 @@ def log_from_dict(data: Any) -> TraceLog:
 
 
 # -- files -----------------------------------------------------------------------------------------
-def write_text_atomically(path: str, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file.
+@contextlib.contextmanager
+def atomic_file(path: str, *, binary: bool = False) -> Iterator[IO[Any]]:
+    """A file that appears at ``path`` whole or not at all: a temporary file in the same folder, renamed
+    when the block ends (removed if it raises), so a crash never leaves half a file.
 
     The file gets the permissions ``open(path, "w")`` would give it (0666 less the umask), not
     ``mkstemp``'s 0600; an existing file's permissions are kept.
@@ -315,8 +318,8 @@ def write_text_atomically(path: str, text: str) -> None:
         mode = None
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as handle:
+            yield handle
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -324,6 +327,12 @@ def write_text_atomically(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as handle:
+        handle.write(text)
 
 
 def check_writable(path: str) -> None:

@@ -10,11 +10,8 @@ permissions ``open()`` would give it, like :func:`~memtrim.trace.save`.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 from memtrim.trace.model import SCHEMA, Site, TraceLog
@@ -22,6 +19,7 @@ from memtrim.trace.serialize import (
     OP_COLUMNS,
     _site_table,
     allocation_data,
+    atomic_file,
     failed_op_data,
     op_row_data,
 )
@@ -84,31 +82,7 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     handle.write("\n}\n")
 
 
-@contextlib.contextmanager
-def atomic_text_file(path: str) -> Iterator[IO[str]]:
-    """A text file that appears at ``path`` whole or not at all (a temporary file in the same folder,
-    renamed when the block ends), with the permissions ``open(path, "w")`` would give it (0666 less
-    the umask; an existing file's are kept)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.memtrim-tmp")
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except OSError:
-        mode = None
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            yield handle
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save(log: TraceLog, path: str, summary: Mapping[str, Any] | None = None) -> None:
     """Write the trace to ``path`` in bounded memory (see the module's docstring)."""
-    with atomic_text_file(path) as handle:
+    with atomic_file(path) as handle:
         write(log, handle, summary)
