@@ -104,8 +104,8 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
 
 
 def _is_gradient(analysis: Analysis, a: Allocation) -> bool:
-    # sharper once the recorder marks .grad storages (Fact.GRADIENT); until then, lifetime: made in
-    # backward and alive after it
+    # what autograd stored as a .grad (Fact.GRADIENT), or by lifetime: made in backward and alive
+    # after it (a gradient the program keeps itself)
     return analysis.categories[a.id] is Category.GRADIENT or Fact.GRADIENT in a.facts
 
 
