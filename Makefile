@@ -48,6 +48,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/gsq.py
 	$(BIN)/python bench/verify.py
 	$(BIN)/python bench/fixes.py
+	$(BIN)/python bench/diagnose.py
+	$(BIN)/python bench/doctor_gpt2.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
