@@ -3,8 +3,11 @@
 The profiler sees every call into the CPU allocator. Two kinds of block never reach a dispatch mode
 and are set aside here, each kept in its own list so a test can bound them:
 
-- intra-op: an allocation whose alloc and free events both sit under the same outermost ``aten::`` op
-  (workspaces, scalar conversions inside a kernel). memtrim accounts at op boundaries.
+- intra-op: an allocation whose alloc and free events both sit under the same outermost op
+  (workspaces, scalar conversions inside a kernel). memtrim accounts at op boundaries. An op is an
+  ``aten::`` op, a collective (``c10d::``, ``_c10d_functional::``), one of FSDP2's custom ops
+  (``fsdp::``), or a collective's run on a gloo worker thread (``gloo:all_gather``: its flat staging
+  copies); user ``record_function`` spans are not ops.
 - wrapped numbers: torch's Python argument parser turns a Python number operand (``y * 2``) into an
   8-byte 0-dim tensor outside any op; the dispatch mode receives the plain number.
 
@@ -22,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 WRAPPED_NUMBER_BYTES = 8
+OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "fsdp::", "gloo:")
 
 
 @dataclass
@@ -60,7 +64,7 @@ def _allocation_events(prof: profile) -> list[tuple[int, int, int, int | None]]:
             if fields.device.type == "cpu":
                 out.append((node.start_time_ns, fields.ptr, fields.alloc_size, op))
             continue
-        if op is None and node.name.startswith("aten::"):
+        if op is None and node.name.startswith(OP_PREFIXES):
             op = id(node)
         stack.extend((child, op) for child in node.children)
     out.sort(key=lambda e: e[0])

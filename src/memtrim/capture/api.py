@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from memtrim.capture import distributed
 from memtrim.capture.recorder import Recorder
 from memtrim.trace.model import TraceLog
 
@@ -55,6 +56,13 @@ class _CudaPeak:
         return result
 
 
+def _note_world(trace: TraceLog, at_start: dict[str, object] | None) -> None:
+    """Which rank of which world the trace is (``trace.metadata["distributed"]``)."""
+    found = distributed.world() or at_start
+    if found is not None:
+        trace.metadata.setdefault(distributed.WORLD, found)
+
+
 @contextlib.contextmanager
 def record(*, fake: bool = False) -> Iterator[TraceLog]:
     """Record every storage the code inside the ``with`` block allocates and frees.
@@ -81,7 +89,9 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = Recorder(trace, fake_mode)
     cuda = _CudaPeak()
+    world = distributed.world()  # also read at the end: the program may start or end its group inside
     with contextlib.ExitStack() as stack:
+        stack.callback(_note_world, trace, world)
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         cuda.begin()

@@ -33,11 +33,13 @@ import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 from torch.utils.hooks import RemovableHandle
 
+from memtrim.capture.distributed import local_tensor
 from memtrim.trace.model import Fact
 
 ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 """The node class autograd gives each leaf that requires grad; it stores gradients in ``.grad``."""
 
+_Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _PARAMETER, _GRADIENT, _OPTIMIZER_STATE, _BUFFER = (
     Fact.PARAMETER,
@@ -156,6 +158,8 @@ class FactRecorder:
         if not self._open:
             return
         try:
+            if type(t) is not _Tensor and type(t) is not _Parameter:
+                t, fact = local_tensor(t, fact)  # a DTensor's memory is its local tensor's
             storage = t.untyped_storage()
             watch = self._watches.get(storage._cdata)
             if watch is not None:
@@ -174,9 +178,7 @@ class FactRecorder:
         """The engine's ``detach`` of ``gradient`` under an ``AccumulateGrad`` node: autograd
         stealing it as the leaf's ``.grad``."""
         try:
-            watch = self._watches.get(gradient.untyped_storage()._cdata)
-            if watch is not None:
-                self._add(watch.index, _GRADIENT)
+            self.tag(gradient, _GRADIENT)
             leaf = node.variable
             if id(leaf) not in self._accumulated:
                 self._accumulated.add(id(leaf))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrim.capture import distributed
 from memtrim.capture.facts import ACCUMULATE_GRAD, FactRecorder
 from memtrim.capture.frames import (
     ENGINE,
@@ -29,7 +30,7 @@ from memtrim.capture.frames import (
     inside_function_forward,
     user_site,
 )
-from memtrim.capture.modules import modules_with_buffers
+from memtrim.capture.modules import modules_seen, modules_with_buffers
 from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
@@ -114,7 +115,18 @@ _device = _DEVICE._op
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("call", "func", "lifts", "name", "saves", "writes", "written_args", "written_kwargs")
+    __slots__ = (
+        "after",
+        "call",
+        "func",
+        "lifts",
+        "name",
+        "saves",
+        "special",
+        "writes",
+        "written_args",
+        "written_kwargs",
+    )
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held so that its id, the cache key, stays its own
@@ -124,6 +136,9 @@ class _OpInfo:
         # torch.tensor(data) builds its tensor below the dispatch modes, then passes it through
         # lift_fresh so that modes see it: that input is new, not something from before the region.
         self.lifts = func in _LIFT_OPS
+        # what a collective's arguments say about its buffers (memtrim.capture.distributed)
+        self.after = distributed.AFTER_OPS.get(self.name)
+        self.special = self.lifts or self.after is not None
         self.written_args: list[int] = []
         self.written_kwargs: list[str] = []
         for i, arg in enumerate(func._schema.arguments):
@@ -180,6 +195,10 @@ class Recorder(TorchDispatchMode):
         # ops the engine ran for an AccumulateGrad node
         self._accumulating: set[int] = set()
         self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_preexisting)
+        # blocks a collective made where no mode sees them (gloo's reduce-scatter clone), each
+        # (bytes, dtype, device, row) until its storage is first seen
+        self._unseen: list[tuple[int, Any, Any, int]] = []
+        self._call_site: Site | None = None  # the call site of the op whose after-hook is running
         self._open = True
 
     def __enter__(self) -> Recorder:
@@ -207,6 +226,8 @@ class Recorder(TorchDispatchMode):
             kwargs = {}
         if not self._open:
             return func(*args, **kwargs)
+        if types and distributed.desugars(types):
+            return NotImplemented  # a DTensor runs the op on its local tensors, which are recorded
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
@@ -282,8 +303,8 @@ class Recorder(TorchDispatchMode):
             raise
         if written:
             self._record_resizes(written, seq, call_site)
-        if info.lifts:
-            self._record_lifted(out, seq, call_site)
+        if info.special:
+            self._after_special(info, args, kwargs, out, seq, call_site)
 
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
@@ -336,6 +357,18 @@ class Recorder(TorchDispatchMode):
         if caller is None or caller.f_code is _ENGINE_RUN:
             self._facts.accumulated(node, gradient)
 
+    def _after_special(
+        self, info: _OpInfo, args: Any, kwargs: Any, out: Any, seq: int, call_site: Site | None
+    ) -> None:
+        if info.lifts:
+            self._record_lifted(out, seq, call_site)
+        if info.after is not None:
+            self._call_site = call_site
+            try:
+                info.after(self, args, kwargs, out, seq)
+            except Exception:  # reading what a collective's buffers are must never break the program
+                pass
+
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
         # the program goes on using in both
@@ -350,6 +383,8 @@ class Recorder(TorchDispatchMode):
         return len(rows) - 1
 
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
+        if self._unseen and (claimed := self._claim_unseen(t, storage)) is not None:
+            return claimed
         rows = self._rows
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
         watch = self._start_watch(storage, len(rows) - 1)
@@ -423,6 +458,54 @@ class Recorder(TorchDispatchMode):
             else:
                 self._start_watch(storage, new)
 
+    # -- torch.distributed (memtrim.capture.distributed's hooks call these) -----------------------
+    def tag_storage(self, t: torch.Tensor, fact: Fact) -> None:
+        self._facts.tag(t, fact)
+
+    def phase_of(self, seq: int) -> Phase:
+        phase: Phase = self._ops[seq].phase
+        return phase
+
+    def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None:
+        """A block shaped like ``like`` that the op made where no mode sees it; its storage is claimed
+        when first seen, so that its free is observed."""
+        nbytes = like.untyped_storage().nbytes()
+        index = self._new_allocation(like, nbytes, seq, self._call_site)
+        self._recorded.add_fact(index, fact)
+        self._unseen.append((nbytes, like.dtype, like.device, index))
+
+    def _claim_unseen(self, t: torch.Tensor, storage: Any) -> _StorageWatch | None:
+        nbytes = storage.nbytes()
+        for i, (size, dtype, device, index) in enumerate(self._unseen):
+            if size == nbytes and dtype == t.dtype and device == t.device:
+                del self._unseen[i]
+                return self._start_watch(storage, index)
+        return None
+
+    def record_outputs(self, out: Any, seq: int) -> None:
+        """Record ``out``'s new storages now (the op's facts are about to be added to them)."""
+        for t in _tensors(out):
+            if type(t) is not _Tensor and not self.trace.fake:
+                continue
+            storage = t.untyped_storage()
+            if storage._cdata not in self._watches and (nbytes := storage.nbytes()):
+                self._start_watch(storage, self._new_allocation(t, nbytes, seq, self._call_site))
+
+    def hold_placeholder(self, wrapper: torch.Tensor, inner: torch.Tensor) -> None:
+        """``wrapper``'s storage holds no memory (an AsyncCollectiveTensor around ``inner``): known, so
+        it is never counted, and forgotten (not freed) when it goes."""
+        storage = wrapper.untyped_storage()
+        known = self._watches.get(inner.untyped_storage()._cdata)
+        if known is None or storage._cdata in self._watches:
+            return
+        watch = _StorageWatch(storage, self._forget_placeholder)
+        watch.index, watch.key = known.index, storage._cdata
+        self._watches[watch.key] = watch
+
+    def _forget_placeholder(self, watch: _StorageWatch) -> None:
+        if self._watches.get(watch.key) is watch:
+            del self._watches[watch.key]
+
     # -- autograd -------------------------------------------------------------------------------
     def _stamp_node(self, ref: weakref.ref[torch.Tensor], seq: int, marks_saved: bool) -> None:
         """Stamp the node that the last op's output got with that op's site, and mark what the node
@@ -482,6 +565,11 @@ class Recorder(TorchDispatchMode):
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
+        try:
+            for t, fact in distributed.fsdp_facts(modules_seen()):
+                self._facts.tag(t, fact)
+        except Exception:  # FSDP's private state is read best effort
+            pass
         self._facts.finish(modules_with_buffers())
         self._facts.remove()
         self._open = False
