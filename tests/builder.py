@@ -29,12 +29,14 @@ class TraceBuilder:
         function: str = "<module>",
         node: str | None = None,
         module: str | None = None,
+        inputs: tuple[int, ...] = (),
     ) -> int:
-        """Start an op (its number is returned); allocations made next belong to it."""
+        """Start an op (its number is returned) handed the allocations ``inputs``; allocations made
+        next belong to it."""
         if phase is not None:
             self.phase = phase
         site = None if line is None else Site(file, line, function)
-        self.ops.rows.append(OpRow(next(self.clock), name, self.phase, site, node, module))
+        self.ops.rows.append(OpRow(next(self.clock), name, self.phase, site, node, module, inputs))
         return len(self.ops.rows) - 1
 
     def alloc(

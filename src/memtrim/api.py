@@ -23,7 +23,7 @@ from memtrim.report.diff import render_markdown as render_diff_markdown
 from memtrim.report.diff import render_text as render_diff_text
 from memtrim.report.diff import to_dict as diff_to_dict
 from memtrim.report.terminal import render
-from memtrim.trace import serialize
+from memtrim.trace import serialize, stream
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
 
 
@@ -135,8 +135,8 @@ class Trace:
         return {"schema": raw.pop("schema"), **report_json.summary(self.analysis), **raw}
 
     def save(self, path: str) -> None:
-        """Write the JSON form to ``path`` atomically."""
-        serialize.save(self.log, path, report_json.summary(self.analysis))
+        """Write the JSON form to ``path`` atomically, in bounded memory (:mod:`memtrim.trace.stream`)."""
+        stream.save(self.log, path, report_json.summary(self.analysis))
 
     def save_html(self, path: str) -> None:
         """Write the HTML report (one self-contained file) to ``path`` atomically."""
@@ -171,7 +171,7 @@ def _remember_all(logs: list[TraceLog]) -> None:
 
 
 @contextlib.contextmanager
-def track(*, fake: bool = False) -> Iterator[Trace]:
+def track(*, fake: bool = False, steps: range | None = None) -> Iterator[Trace]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
     Yields a :class:`Trace` that is complete when the block exits — also when it exits by an
@@ -182,6 +182,9 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
     no data, so a full-size program is measured on a CPU without allocating it. Tensors created before
     the block are turned into fake ones when used. Code that reads values (``.item()``, printing,
     data-dependent shapes) cannot run fake.
+
+    ``steps=range(a, b)`` records only training steps ``a`` to ``b - 1`` (a step ends when an
+    optimizer's ``step()`` returns) and runs the rest at full speed: for runs of hours.
 
     >>> import torch, memtrim
     >>> with memtrim.track() as trace:
@@ -194,7 +197,7 @@ def track(*, fake: bool = False) -> Iterator[Trace]:
         # and for diffs against a later version of the file
         finished: list[TraceLog] = []
         stack.callback(_remember_all, finished)
-        log = stack.enter_context(record(fake=fake))
+        log = stack.enter_context(record(fake=fake, steps=steps))
         finished.append(log)
         yield Trace(log)
 

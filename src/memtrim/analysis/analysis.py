@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from memtrim.analysis.categories import Category, categorize
 from memtrim.analysis.diagnoses import Diagnosis, diagnose
 from memtrim.analysis.failure import requested_bytes
+from memtrim.analysis.flow import Flow, build_flow
 from memtrim.analysis.roles import Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
@@ -240,6 +241,25 @@ class Analysis:
             ]
             self._charged_peaks[allocator] = headline(peaks)
         return self._charged_peaks[allocator]
+
+    @functools.cached_property
+    def flow(self) -> Flow:
+        """The data flow, indexed once: producer and readers of every allocation (diagnoses read it)."""
+        return build_flow(self.log)
+
+    @functools.cached_property
+    def alive_ids_at_peak(self) -> frozenset[int]:
+        """Ids of the allocations alive at the headline peak on its device, made in the region or not
+        (what a fix must touch to lower that peak)."""
+        tick = self.peak.tick
+        if tick is None:
+            return frozenset()
+        before = (
+            a.id
+            for a in self.log.allocations
+            if a.preexisting and a.device == self.peak.device and (a.free_tick is None or a.free_tick > tick)
+        )
+        return frozenset((*(a.id for a in self.live_at_peak), *before))
 
     @functools.cached_property
     def diagnoses(self) -> tuple[Diagnosis, ...]:

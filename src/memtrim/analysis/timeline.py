@@ -31,9 +31,25 @@ class LiveCurve:
     live: list[int] = field(default_factory=list)
     charged: dict[int, int] = field(default_factory=dict)
     """Allocation id -> bytes charged for it."""
+    _first: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    _second: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ticks)
+
+    def events_of(self, ident: int) -> list[int]:
+        """Indexes of allocation ``ident``'s events (its allocation and its free), indexed on first use
+        (two dicts of ints: no container per allocation for the garbage collector to walk)."""
+        first, second = self._first, self._second
+        if not first and self.ids:
+            for i, other in enumerate(self.ids):
+                if other in first:
+                    second[other] = i
+                else:
+                    first[other] = i
+        if ident not in first:
+            return []
+        return [first[ident], second[ident]] if ident in second else [first[ident]]
 
     def live_after(self, tick: int) -> int:
         """Live bytes just after ``tick`` (0 before the first event)."""

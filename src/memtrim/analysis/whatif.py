@@ -8,8 +8,8 @@ edited and added ones are merged in, and the peak is read off in one pass. Nothi
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Iterator, Mapping
+import bisect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from memtrim.analysis.timeline import LiveCurve
@@ -50,22 +50,20 @@ class Edits:
 
 def _edited_events(curve: LiveCurve, edits: Edits) -> list[tuple[float, int]]:
     """(tick, delta) for each edited (not removed) allocation and each added one."""
-    first_tick: dict[int, float] = {}
-    last_tick: dict[int, float | None] = {}
-    touched = edits.touched() - edits.remove
-    for tick, delta, ident in zip(curve.ticks, curve.deltas, curve.ids, strict=True):
-        if ident in touched:
-            if delta > 0:
-                first_tick[ident] = tick
-            else:
-                last_tick[ident] = tick
     events: list[tuple[float, int]] = []
-    for ident in touched:
+    for ident in edits.touched() - edits.remove:
         if ident not in curve.charged:
             raise KeyError(f"allocation {ident} is not on {curve.device}")
+        first_tick: float | None = None
+        last_tick: float | None = None
+        for i in curve.events_of(ident):
+            if curve.deltas[i] > 0:
+                first_tick = curve.ticks[i]
+            else:
+                last_tick = curve.ticks[i]
         nbytes = edits.resize.get(ident, curve.charged[ident])
-        start = edits.alloc_at.get(ident, first_tick.get(ident))
-        end = edits.free_at[ident] if ident in edits.free_at else last_tick.get(ident)
+        start = edits.alloc_at.get(ident, first_tick)
+        end = edits.free_at.get(ident, last_tick)
         if start is not None:
             events.append((start, nbytes))
         if end is not None:
@@ -79,19 +77,49 @@ def _edited_events(curve: LiveCurve, edits: Edits) -> list[tuple[float, int]]:
     return events
 
 
+def _position(curve: LiveCurve, tick: float, frees: bool) -> int:
+    """How many recorded events come before an edited one at ``tick`` (allocations before frees at
+    one tick; a recorded event before an edited one of the same kind)."""
+    i = bisect.bisect_left(curve.ticks, tick)
+    ticks, deltas = curve.ticks, curve.deltas
+    while i < len(ticks) and ticks[i] == tick and (deltas[i] < 0) <= frees:
+        i += 1
+    return i
+
+
 def replay(curve: LiveCurve, edits: Edits) -> int:
-    """The peak live bytes of ``curve`` with ``edits`` applied."""
-    skip = edits.touched()
-    base: Iterator[tuple[float, int]] = (
-        (tick, delta)
-        for tick, delta, ident in zip(curve.ticks, curve.deltas, curve.ids, strict=True)
-        if ident not in skip
-    )
-    live = best = 0
-    for _, delta in heapq.merge(base, _edited_events(curve, edits), key=lambda e: (e[0], e[1] < 0)):
-        live += delta
-        if live > best:
-            best = live
+    """The peak live bytes of ``curve`` with ``edits`` applied.
+
+    The edited timeline is the recorded one plus a correction that changes only where a touched
+    allocation's recorded event was (it no longer counts) and where an edited or added event is: so the
+    peak is the largest recorded value of each stretch between those points plus that stretch's
+    correction (``max`` of a slice, in C), and the value at each edited event.
+    """
+    live = curve.live
+    # (position among the recorded events, order, delta): a recorded event dropped at its position,
+    # an edited one inserted before the recorded event at its position
+    changes: list[tuple[int, int, int]] = []
+    for ident in edits.touched():
+        for i in curve.events_of(ident):
+            changes.append((i, 1, -curve.deltas[i]))
+    for tick, delta in _edited_events(curve, edits):
+        changes.append((_position(curve, tick, delta < 0), 0, delta))
+    changes.sort(key=lambda c: (c[0], c[1]))
+    best = correction = 0
+    start = 0  # first recorded event of the current stretch
+    for position, kind, delta in changes:
+        if position > start:
+            best = max(best, max(live[start:position]) + correction)
+        if kind == 0:  # inserted before recorded event `position`
+            correction += delta
+            before = live[position - 1] if position > 0 else 0
+            best = max(best, before + correction)
+            start = max(start, position)
+        else:  # the recorded event at `position` no longer happens
+            correction += delta
+            start = position + 1
+    if start < len(live):
+        best = max(best, max(live[start:]) + correction)
     return best
 
 

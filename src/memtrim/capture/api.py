@@ -7,12 +7,15 @@ Users call :func:`memtrim.track`, which wraps this and adds the analysis on top;
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 
 import torch
 
-from memtrim.capture import distributed
+from memtrim.capture import compiled, distributed, outside
+from memtrim.capture.fork import PID_KEY
 from memtrim.capture.recorder import Recorder
+from memtrim.capture.steps import StepWindow
 from memtrim.trace.model import TraceLog
 
 # Trackers open right now (outermost first), so that an inner one resetting CUDA's peak statistic
@@ -31,6 +34,7 @@ class _CudaPeak:
         )
         self.start = {d: torch.cuda.memory_allocated(d) for d in self.devices}
         self.seen_max = dict(self.start)
+        self.pid = os.getpid()
 
     def begin(self) -> None:
         for d in self.devices:
@@ -41,7 +45,10 @@ class _CudaPeak:
         _open_cuda_watches.append(self)
 
     def end(self) -> dict[str, int]:
-        _open_cuda_watches.remove(self)
+        if self in _open_cuda_watches:
+            _open_cuda_watches.remove(self)
+        if os.getpid() != self.pid:  # a forked child, where CUDA cannot be used
+            return {}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # CUDA first initialised inside the region: its whole history is the region's
             for d in range(torch.cuda.device_count()):
@@ -63,8 +70,23 @@ def _note_world(trace: TraceLog, at_start: dict[str, object] | None) -> None:
         trace.metadata.setdefault(distributed.WORLD, found)
 
 
+def _window_cuda(trace: TraceLog) -> dict[str, Callable[[], None]]:
+    """The CUDA peak watch of a step window: from the window's first step to its last."""
+    watch: list[_CudaPeak] = []
+
+    def on_open() -> None:
+        watch.append(_CudaPeak())
+        watch[0].begin()
+
+    def on_close() -> None:
+        if watch:
+            trace.cuda_max_allocated.update(watch.pop().end())
+
+    return {"on_open": on_open, "on_close": on_close}
+
+
 @contextlib.contextmanager
-def record(*, fake: bool = False) -> Iterator[TraceLog]:
+def record(*, fake: bool = False, steps: range | None = None) -> Iterator[TraceLog]:
     """Record every storage the code inside the ``with`` block allocates and frees.
 
     Yields a :class:`~memtrim.trace.TraceLog` that is complete when the block exits — also when it exits
@@ -80,8 +102,16 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
     hooks: the program runs with autograd's own saving, version checks and error messages. Under the
     user's own saved-tensor hooks (checkpointing, offloading) the nodes are not read, and "saved"
     means made in forward and freed in backward.
+
+    ``steps=range(a, b)`` records only training steps ``a`` to ``b - 1`` of the block (a step ends when
+    an optimizer's ``step()`` returns; step 0 starts with the block), and runs the rest untracked at
+    full speed: what a run of hours needs (see :mod:`memtrim.capture.steps`).
+
+    While the block runs, ``torch.compile``'d code runs eagerly (:mod:`memtrim.capture.compiled`), and
+    a process forked inside it records nothing (:mod:`memtrim.capture.fork`).
     """
     trace = TraceLog(fake=fake)
+    trace.metadata[PID_KEY] = os.getpid()
     fake_mode = None
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,12 +122,21 @@ def record(*, fake: bool = False) -> Iterator[TraceLog]:
     world = distributed.world()  # also read at the end: the program may start or end its group inside
     with contextlib.ExitStack() as stack:
         stack.callback(_note_world, trace, world)
+        compiled.acquire()
+        stack.callback(compiled.release, trace)
+        outside.acquire()
+        stack.callback(outside.release)
         if fake_mode is not None:
             stack.enter_context(fake_mode)
-        cuda.begin()
-        stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
+        if steps is None:
+            cuda.begin()
+            stack.callback(lambda: trace.cuda_max_allocated.update(cuda.end()))
         stack.enter_context(recorder)
         stack.callback(recorder.finish)
+        if steps is not None:
+            window = StepWindow(recorder, trace, steps, finish=recorder.finish, **_window_cuda(trace))
+            stack.callback(window.end)
+            window.begin()
         try:
             yield trace
         except BaseException as exc:

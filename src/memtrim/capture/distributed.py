@@ -70,16 +70,14 @@ def desugars(types: tuple[type, ...]) -> bool:
     return found
 
 
-def local_tensor(t: torch.Tensor, fact: Fact) -> tuple[torch.Tensor, Fact]:
-    """The tensor that holds ``t``'s memory, and the fact it gets: a DTensor's local tensor, where a
-    parameter sharded over ranks (a ``Shard`` placement) is a ``sharded_parameter``."""
+def placed_fact(t: torch.Tensor, fact: Fact) -> Fact:
+    """The fact a subclass tensor's parts get: a parameter that is a DTensor sharded over ranks (a
+    ``Shard`` placement: FSDP2's parameters) is this rank's ``sharded_parameter``."""
     dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(t, dtensor):
-        return t, fact
-    local: torch.Tensor = t._local_tensor  # type: ignore[attr-defined]
-    if fact is Fact.PARAMETER and any(p.is_shard() for p in t.placements):  # type: ignore[attr-defined]
-        return local, Fact.SHARDED_PARAMETER
-    return local, fact
+    sharded = fact is Fact.PARAMETER and dtensor is not None and isinstance(t, dtensor)
+    if sharded and any(p.is_shard() for p in t.placements):  # type: ignore[attr-defined]
+        return Fact.SHARDED_PARAMETER
+    return fact
 
 
 # -- what collectives tell -----------------------------------------------------------------------------
@@ -90,7 +88,6 @@ class Listener(Protocol):
     def phase_of(self, seq: int) -> Phase: ...
     def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None: ...
     def record_outputs(self, out: Any, seq: int) -> None: ...
-    def hold_placeholder(self, wrapper: torch.Tensor, inner: torch.Tensor) -> None: ...
 
 
 After = Callable[[Listener, Any, dict[str, Any], Any, int], None]
@@ -158,12 +155,6 @@ def _functional_gather(rec: Listener, args: Any, kwargs: dict[str, Any], out: An
     _tag_all(rec, out, Fact.ALL_GATHER_BUFFER)
 
 
-def _functional_wrap(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
-    # _c10d_functional::_wrap_tensor_autograd(Tensor input) -> an AsyncCollectiveTensor around input
-    if isinstance(out, _Tensor) and type(out) is not _Tensor and args and isinstance(args[0], _Tensor):
-        rec.hold_placeholder(out, args[0])
-
-
 AFTER_OPS: dict[str, After] = {
     "c10d._allgather_base_.default": _all_gather_into_tensor,
     "c10d.allgather_into_tensor_coalesced_.default": _all_gather_into_tensors,
@@ -173,7 +164,6 @@ AFTER_OPS: dict[str, After] = {
     "fsdp.split_with_sizes_copy.default": _fsdp_copy_out,
     "_c10d_functional.all_gather_into_tensor.default": _functional_gather,
     "_c10d_functional.all_gather_into_tensor_coalesced.default": _functional_gather,
-    "_c10d_functional._wrap_tensor_autograd.default": _functional_wrap,
 }
 """By op name (``str(func)``): what the recorder reads after the op ran."""
 
@@ -210,7 +200,7 @@ def fsdp_facts(modules: Iterable[torch.nn.Module]) -> Iterator[tuple[torch.Tenso
                     yield t, Fact.UNSHARDED_PARAMETER
                 grad = param.sharded_param.grad
                 if grad is not None:
-                    yield local_tensor(grad, Fact.GRADIENT)
+                    yield grad, Fact.GRADIENT
             except Exception:
                 continue
 

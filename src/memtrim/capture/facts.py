@@ -33,14 +33,15 @@ import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 from torch.utils.hooks import RemovableHandle
 
-from memtrim.capture.distributed import local_tensor
+from memtrim.capture import storages
+from memtrim.capture.distributed import placed_fact
 from memtrim.trace.model import Fact
 
 ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 """The node class autograd gives each leaf that requires grad; it stores gradients in ``.grad``."""
 
-_Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor
 _PARAMETER, _GRADIENT, _OPTIMIZER_STATE, _BUFFER = (
     Fact.PARAMETER,
     Fact.GRADIENT,
@@ -158,14 +159,20 @@ class FactRecorder:
         if not self._open:
             return
         try:
-            if type(t) is not _Tensor and type(t) is not _Parameter:
-                t, fact = local_tensor(t, fact)  # a DTensor's memory is its local tensor's
-            storage = t.untyped_storage()
-            watch = self._watches.get(storage._cdata)
-            if watch is not None:
-                self._add(watch.index, fact)
-            elif watch_unseen and storage.nbytes():
-                self._add(self._watch_unseen(t, storage).index, fact)
+            cls = type(t)
+            if (cls is not _Tensor and not issubclass(cls, _Parameter)) or t.is_meta or t.is_nested:
+                # a subclass (a DTensor parameter is of type DTensor; a fake tensor), a nested or
+                # meta tensor: the storages that hold its memory
+                found = storages.parts(t)
+                fact = placed_fact(t, fact)
+            else:
+                found = [(t, t.untyped_storage())]
+            for part, storage in found:
+                watch = self._watches.get(storage._cdata)
+                if watch is not None:
+                    self._add(watch.index, fact)
+                elif watch_unseen and storage.nbytes():
+                    self._add(self._watch_unseen(part, storage).index, fact)
         except _NO_STORAGE:
             pass
 
@@ -178,7 +185,9 @@ class FactRecorder:
         """The engine's ``detach`` of ``gradient`` under an ``AccumulateGrad`` node: autograd
         stealing it as the leaf's ``.grad``."""
         try:
-            self.tag(gradient, _GRADIENT)
+            watch = self._watches.get(gradient.untyped_storage()._cdata)
+            if watch is not None:
+                self._add(watch.index, _GRADIENT)
             leaf = node.variable
             if id(leaf) not in self._accumulated:
                 self._accumulated.add(id(leaf))

@@ -10,6 +10,8 @@ storage (PyObject preservation), so the callback fires when the memory is return
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import operator
 import weakref
@@ -18,16 +20,17 @@ from sys import _getframe
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrim.capture import distributed
+from memtrim.capture import distributed, storages
 from memtrim.capture.facts import ACCUMULATE_GRAD, FactRecorder
+from memtrim.capture.fork import DetachableMode
 from memtrim.capture.frames import (
     ENGINE,
     INTERNAL,
     OPTIMIZER,
     Walk,
     inside_function_forward,
+    runs_code,
     user_site,
 )
 from memtrim.capture.modules import modules_seen, modules_with_buffers
@@ -164,8 +167,11 @@ def _new_info(func: Any) -> _OpInfo:
     return info
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(DetachableMode):
     """Records into ``trace``; see :func:`memtrim.track` for the public entry point."""
+
+    # told of allocations outside the dispatcher (memtrim.capture.outside)
+    listens_outside = True
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -192,9 +198,16 @@ class Recorder(TorchDispatchMode):
         self._engine_walk: tuple[int, Walk] = (-1, (None, INTERNAL, None))
         # forward ops run under the user's saved-tensor hooks, whose nodes are not read
         self._under_user_hooks: set[int] = set()
+        # Watches of freed storages, queued by their weakref callback: list.append, C code, so that a
+        # Ctrl-C can never land inside memtrim's callback and be swallowed there. Ticked at the next
+        # op (or event) boundary, which keeps their order against allocations.
+        self._freed: list[_StorageWatch] = []
+        self._queue_free = self._freed.append
+        # storages seen that hold no memory (meta, wrapper subclasses): key -> weak reference
+        self._no_memory: dict[int, weakref.ref[Any]] = {}
         # ops the engine ran for an AccumulateGrad node
         self._accumulating: set[int] = set()
-        self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_preexisting)
+        self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_one_preexisting)
         # blocks a collective made where no mode sees them (gloo's reduce-scatter clone), each
         # (bytes, dtype, device, row) until its storage is first seen
         self._unseen: list[tuple[int, Any, Any, int]] = []
@@ -228,6 +241,8 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if types and distributed.desugars(types):
             return NotImplemented  # a DTensor runs the op on its local tensors, which are recorded
+        if self._freed:
+            self._drain_frees()
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
@@ -255,9 +270,10 @@ class Recorder(TorchDispatchMode):
                     if isinstance(t, _Tensor):
                         storage = t.untyped_storage()
                         watch = watches.get(storage._cdata)
-                        inputs.append(
-                            (watch or self._watch_preexisting(t, storage)).index  # new: from before
-                        )
+                        if watch is not None:
+                            inputs.append(watch.index)
+                        else:
+                            inputs += self._watch_preexisting(t, storage)  # new: from before
                     elif isinstance(t, (list, tuple)) and t and type(t[0]) is not int:
                         self._watch_inputs(t, inputs)  # int[] (sizes, dims) never holds a tensor: skipped
             except (RuntimeError, NotImplementedError, TypeError):
@@ -286,8 +302,8 @@ class Recorder(TorchDispatchMode):
                 phase = _BACKWARD
             elif between == OPTIMIZER:
                 phase = _OPTIMIZER
-            elif grad_enabled or inside_function_forward(caller):
-                phase = _FORWARD  # grad mode is off inside a custom Function's forward
+            elif grad_enabled or inside_function_forward(caller) or self._in_pack_hook(caller):
+                phase = _FORWARD  # grad mode is off inside a custom Function's forward and pack hooks
             else:
                 phase = _OTHER
         self._last_phase = phase
@@ -301,6 +317,8 @@ class Recorder(TorchDispatchMode):
         except BaseException:
             self.trace.failed_op = self.trace.ops[seq]
             raise
+        if self._freed:
+            self._drain_frees()
         if written:
             self._record_resizes(written, seq, call_site)
         if info.special:
@@ -317,18 +335,27 @@ class Recorder(TorchDispatchMode):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
-                pass  # sparse/nested/opaque tensors have no single storage to account
+                self._new_parts(t, seq, call_site)  # sparse: its index and value tensors
             else:
                 key = storage._cdata
                 if key not in watches and (nbytes := storage.nbytes()):
-                    # a new storage (_new_allocation and _start_watch, inlined)
-                    watch = watches[key] = _StorageWatch(storage, self._on_free)
-                    watch.index, watch.key = len(rows), key
-                    rows.append(
-                        _row(
-                            AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)
-                        )
-                    )
+                    if type(t) is not _Tensor or t.is_meta:
+                        self._new_parts(t, seq, call_site)  # subclass, meta: storages.parts
+                    else:
+                        try:
+                            shape = t.shape
+                        except RuntimeError:  # a strided nested tensor has no sizes
+                            self._new_parts(t, seq, call_site)
+                        else:
+                            # a new storage (_new_allocation and _start_watch, inlined)
+                            watch = watches[key] = _StorageWatch(storage, self._queue_free)
+                            watch.index, watch.key = len(rows), key
+                            rows.append(
+                                _row(
+                                    AllocRow,
+                                    (seq, nbytes, t.dtype, shape, t.device, next(self._clock), call_site),
+                                )
+                            )
             if stamp and (t.is_floating_point() or t.is_complex()):
                 self._pending = (weakref.ref(t), seq, info.saves)
                 stamp = False
@@ -342,9 +369,15 @@ class Recorder(TorchDispatchMode):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
+                for part, part_storage in storages.parts(t):  # sparse: its index and value tensors
+                    watch = watches.get(part_storage._cdata)
+                    inputs.append((watch or self._watch_one_preexisting(part, part_storage)).index)
                 continue
             watch = watches.get(storage._cdata)
-            inputs.append((watch or self._watch_preexisting(t, storage)).index)
+            if watch is not None:
+                inputs.append(watch.index)
+            else:
+                inputs += self._watch_preexisting(t, storage)
 
     def _accumulate_grad(self, node: Any, gradient: Any) -> None:
         """A detach under an AccumulateGrad node. Run by the engine itself (no Python frame between),
@@ -364,10 +397,9 @@ class Recorder(TorchDispatchMode):
             self._record_lifted(out, seq, call_site)
         if info.after is not None:
             self._call_site = call_site
-            try:
+            # reading what a collective's buffers are must never break the program
+            with contextlib.suppress(Exception):
                 info.after(self, args, kwargs, out, seq)
-            except Exception:  # reading what a collective's buffers are must never break the program
-                pass
 
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
@@ -379,14 +411,60 @@ class Recorder(TorchDispatchMode):
 
     def _new_allocation(self, t: torch.Tensor, nbytes: int, seq: int, call_site: Site | None) -> int:
         rows = self._rows
-        rows.append(_row(AllocRow, (seq, nbytes, t.dtype, t.shape, t.device, next(self._clock), call_site)))
+        shape = t.shape if not t.is_nested else storages.row_shape(t, t.untyped_storage())
+        rows.append(_row(AllocRow, (seq, nbytes, t.dtype, shape, t.device, next(self._clock), call_site)))
         return len(rows) - 1
 
-    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
+    def _new_parts(self, t: torch.Tensor, seq: int, call_site: Site | None) -> None:
+        """Record the new storages of an output that is not a plain dense tensor (storages.parts)."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            storage = None
+        if storage is not None and storage._cdata in self._no_memory:
+            return
+        parts = storages.parts(t)
+        if storage is not None and not any(s._cdata == storage._cdata for _, s in parts):
+            self._hold_no_memory(storage)  # a wrapper's or meta placeholder: never looked at again
+        for part, part_storage in parts:
+            key = part_storage._cdata
+            if key not in self._watches and (nbytes := part_storage.nbytes()):
+                rows = self._rows
+                shape = storages.row_shape(part, part_storage)
+                rows.append(
+                    _row(
+                        AllocRow, (seq, nbytes, part.dtype, shape, part.device, next(self._clock), call_site)
+                    )
+                )
+                self._start_watch(part_storage, len(rows) - 1)
+
+    def _hold_no_memory(self, storage: Any) -> None:
+        key = storage._cdata
+        # the callback, dict.pop with a default, is C code: no Ctrl-C can land in it
+        self._no_memory[key] = weakref.ref(storage, functools.partial(self._no_memory.pop, key))
+
+    def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> list[int]:
+        """Watch an input's storage not seen before as one from before the region; the rows of what
+        holds its memory (its parts for a subclass or nested tensor, none for a meta tensor)."""
+        if type(t) is not _Tensor or t.is_meta or t.is_nested:
+            if storage._cdata in self._no_memory:
+                return []
+            parts = storages.parts(t)
+            if not any(s._cdata == storage._cdata for _, s in parts):
+                self._hold_no_memory(storage)
+            watches, found = self._watches, []
+            for part, part_storage in parts:
+                watch = watches.get(part_storage._cdata) or self._watch_one_preexisting(part, part_storage)
+                found.append(watch.index)
+            return found
+        return [self._watch_one_preexisting(t, storage).index]
+
+    def _watch_one_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
         if self._unseen and (claimed := self._claim_unseen(t, storage)) is not None:
             return claimed
         rows = self._rows
-        rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, t.shape, t.device, -1, None)))
+        shape = storages.row_shape(t, storage)
+        rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, shape, t.device, -1, None)))
         watch = self._start_watch(storage, len(rows) - 1)
         self._facts.preexisting(t, watch.index)
         if self._fake_mode is not None:
@@ -415,48 +493,95 @@ class Recorder(TorchDispatchMode):
             self._watches[watch.key] = watch
 
     def _start_watch(self, storage: Any, index: int) -> _StorageWatch:
-        watch = _StorageWatch(storage, self._on_free)
+        watch = _StorageWatch(storage, self._queue_free)
         watch.index = index
         watch.key = storage._cdata
         self._watches[watch.key] = watch
         return watch
 
-    def _on_free(self, watch: _StorageWatch) -> None:
-        if not self._open:
-            return
-        self._recorded.frees[watch.index] = _row(FreeRow, (next(self._clock), self._last_phase))
-        if self._watches.get(watch.key) is watch:
-            del self._watches[watch.key]
+    def _drain_frees(self) -> None:
+        """Tick the frees queued since the last op, in the order they happened."""
+        freed, frees, watches = self._freed, self._recorded.frees, self._watches
+        clock, phase = self._clock, self._last_phase
+        done = len(freed)  # (another thread may append meanwhile: that one is ticked next time)
+        for i in range(done):
+            watch = freed[i]
+            frees[watch.index] = _row(FreeRow, (next(clock), phase))
+            if watches.get(watch.key) is watch:
+                del watches[watch.key]
+        del freed[:done]
 
     # -- resize_ and out= -------------------------------------------------------------------------
-    def _written_sizes(self, info: _OpInfo, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, int]]:
+    def _written_sizes(self, info: _OpInfo, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, int, int]]:
+        """(tensor, its storage's key, its bytes) for each tensor the op writes, before it runs."""
         written = [args[i] for i in info.written_args if i < len(args)]
         written += [kwargs[name] for name in info.written_kwargs if name in kwargs]
         sizes = []
         for t in written:
             for tensor in _tensors(t):
                 try:
-                    sizes.append((tensor, tensor.untyped_storage().nbytes()))
+                    storage = tensor.untyped_storage()
                 except (RuntimeError, NotImplementedError, TypeError):
                     continue
+                key = storage._cdata
+                if key not in self._no_memory:  # meta, wrappers: known by now, as inputs are watched
+                    sizes.append((tensor, key, storage.nbytes()))
         return sizes
 
     def _record_resizes(
-        self, written: list[tuple[torch.Tensor, int]], seq: int, call_site: Site | None
+        self, written: list[tuple[torch.Tensor, int, int]], seq: int, call_site: Site | None
     ) -> None:
-        for t, before in written:
+        for t, key, before in written:
             storage = t.untyped_storage()
+            if storage._cdata != key:
+                # set_: the tensor now views another storage, which the op did not allocate; one not
+                # seen before existed before the region (set_ onto a storage object, say)
+                if storage._cdata not in self._watches and storage.nbytes():
+                    self._watch_preexisting(t, storage)
+                continue
             after = storage.nbytes()
             if after == before:
                 continue
             # The allocator hands out a new block and frees the old one; the StorageImpl stays.
-            watch = self._watches.get(storage._cdata)
-            new = self._new_allocation(t, after, seq, call_site)
-            if watch is not None:
-                self._recorded.frees[watch.index] = FreeRow(next(self._clock), self._ops[seq].phase)
-                watch.index = new
+            self._resized(storage, t, before, after, seq, self._ops[seq].phase, call_site)
+
+    def _resized(
+        self,
+        storage: Any,
+        t: torch.Tensor | None,
+        before: int,
+        after: int,
+        seq: int,
+        phase: Phase,
+        call_site: Site | None,
+    ) -> None:
+        """A storage's block went from ``before`` to ``after`` bytes: a new block is allocated, then the
+        old one freed, as the allocator does (a storage not watched yet existed before the region); a
+        storage resized to 0 holds nothing until it grows again."""
+        key = storage._cdata
+        watch = self._watches.get(key)
+        if watch is None and before:
+            rows = self._rows
+            rows.append(_row(AllocRow, (-1, before, torch.uint8, (before,), storage.device, -1, None)))
+            self._start_watch(storage, len(rows) - 1)
+            watch = self._watches[key]
+        old = None if watch is None else watch.index
+        if after:
+            rows = self._rows
+            if t is None:
+                row = (seq, after, torch.uint8, (after,), storage.device, next(self._clock), call_site)
+                rows.append(_row(AllocRow, row))
+                new = len(rows) - 1
             else:
+                new = self._new_allocation(t, after, seq, call_site)
+            if watch is None:
                 self._start_watch(storage, new)
+            else:
+                watch.index = new
+        elif watch is not None:
+            del self._watches[key]  # drops the weak reference: no second free
+        if old is not None:
+            self._recorded.frees[old] = FreeRow(next(self._clock), phase)
 
     # -- torch.distributed (memtrim.capture.distributed's hooks call these) -----------------------
     def tag_storage(self, t: torch.Tensor, fact: Fact) -> None:
@@ -490,21 +615,6 @@ class Recorder(TorchDispatchMode):
             storage = t.untyped_storage()
             if storage._cdata not in self._watches and (nbytes := storage.nbytes()):
                 self._start_watch(storage, self._new_allocation(t, nbytes, seq, self._call_site))
-
-    def hold_placeholder(self, wrapper: torch.Tensor, inner: torch.Tensor) -> None:
-        """``wrapper``'s storage holds no memory (an AsyncCollectiveTensor around ``inner``): known, so
-        it is never counted, and forgotten (not freed) when it goes."""
-        storage = wrapper.untyped_storage()
-        known = self._watches.get(inner.untyped_storage()._cdata)
-        if known is None or storage._cdata in self._watches:
-            return
-        watch = _StorageWatch(storage, self._forget_placeholder)
-        watch.index, watch.key = known.index, storage._cdata
-        self._watches[watch.key] = watch
-
-    def _forget_placeholder(self, watch: _StorageWatch) -> None:
-        if self._watches.get(watch.key) is watch:
-            del self._watches[watch.key]
 
     # -- autograd -------------------------------------------------------------------------------
     def _stamp_node(self, ref: weakref.ref[torch.Tensor], seq: int, marks_saved: bool) -> None:
@@ -544,6 +654,8 @@ class Recorder(TorchDispatchMode):
                     watch = watches.get(value.untyped_storage()._cdata)
                     if watch is not None:
                         saved.add(watch.index)
+                    elif type(value) is not _Tensor:  # a subclass: its inner tensors
+                        self._mark_saved_tensors([part for part, _ in storages.parts(value)])
                 elif value:  # a list of tensors (and Nones)
                     self._mark_saved_tensors(value)
         except (RuntimeError, NotImplementedError, TypeError):
@@ -555,21 +667,33 @@ class Recorder(TorchDispatchMode):
             try:
                 watch = self._watches.get(t.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError, TypeError):
+                self._mark_saved_tensors([part for part, _ in storages.parts(t)])  # sparse
                 continue
             if watch is not None:
                 self._recorded.saved.add(watch.index)
 
+    def _in_pack_hook(self, caller: Any) -> bool:
+        """True inside the pack hook of the user's saved-tensor hooks (which autograd runs with grad
+        mode off, while it saves a forward op's tensor): what it makes is kept for backward."""
+        hooks = _user_saved_hooks(False)
+        if hooks is None:
+            return False
+        code = getattr(hooks[0], "__code__", None)
+        return code is not None and runs_code(caller, code)
+
     # -- lifetime -------------------------------------------------------------------------------
     def finish(self) -> None:
         """Stop observing. Storages still watched are what was alive at the end (or at the failure)."""
+        if not self._open and self.trace.finished:
+            return
+        if self._freed:
+            self._drain_frees()
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
-        try:
+        with contextlib.suppress(Exception):  # FSDP's private state is read best effort
             for t, fact in distributed.fsdp_facts(modules_seen()):
                 self._facts.tag(t, fact)
-        except Exception:  # FSDP's private state is read best effort
-            pass
         self._facts.finish(modules_with_buffers())
         self._facts.remove()
         self._open = False
@@ -590,3 +714,62 @@ class Recorder(TorchDispatchMode):
         self._watches.clear()
         self._twins.clear()
         self.trace.finished = True
+
+    # -- outside the dispatcher -----------------------------------------------------------------
+    def storage_resized(self, storage: Any, before: int, after: int) -> None:
+        """``UntypedStorage.resize_`` ran (memtrim.capture.outside): FSDP's free and re-allocation."""
+        if not self._open or storage.device.type == "meta":
+            return
+        seq, phase, call_site = self._outside_op("UntypedStorage.resize_")
+        self._resized(storage, None, before, after, seq, phase, call_site)
+
+    def tensor_made(self, tensor: torch.Tensor, name: str) -> None:
+        """A tensor made below the dispatcher (``torch.get_rng_state``): a new allocation."""
+        if not self._open or type(tensor) is not _Tensor:
+            return
+        storage = tensor.untyped_storage()
+        if storage._cdata in self._watches or not storage.nbytes():
+            return
+        seq, _, call_site = self._outside_op(name)
+        self._start_watch(storage, self._new_allocation(tensor, storage.nbytes(), seq, call_site))
+
+    def _outside_op(self, name: str) -> tuple[int, Phase, Site | None]:
+        """Log a call that did not pass through the dispatcher as an op; the phase and site follow
+        the same rules as ``__torch_dispatch__``'s (inlined there)."""
+        if self._freed:
+            self._drain_frees()
+        if (pending := self._pending) is not None:
+            self._pending = None
+            self._stamp_node(*pending)
+        caller = _getframe(2)
+        call_site, between, module = user_site(caller)
+        node = _current_autograd_node()
+        site, node_name = call_site, None
+        if node is not None:
+            phase, node_name = _BACKWARD, node.name()
+            if between == ENGINE or call_site is None:
+                site, module = _metadata(node).get(NODE_STAMP) or (site, module)
+        elif between == ENGINE:
+            phase = _BACKWARD
+        elif between == OPTIMIZER:
+            phase = _OPTIMIZER
+        elif _is_grad_enabled() or inside_function_forward(caller):
+            phase = _FORWARD
+        else:
+            phase = _OTHER
+        self._last_phase = phase
+        ops = self._ops
+        ops.append(_row(OpRow, (next(self._clock), name, phase, site, node_name, module, ())))
+        return len(ops) - 1, phase, call_site
+
+    def set_recording(self, on: bool) -> None:
+        """Record from now on, or not (memtrim.capture.steps: outside the chosen steps)."""
+        self._open = on
+
+    def forked(self) -> None:
+        """In a forked child: the parent's recording is not this process's; stop and leave the stack."""
+        self._open = False
+        self._pending = None
+        self._watches.clear()
+        self._freed.clear()
+        super().forked()

@@ -74,6 +74,9 @@ def diagnosis_json(d: Diagnosis) -> dict[str, Any]:
         "verify_mode": d.verify_mode,
         "ops": list(d.ops),
         "allocations": [a.id for a in d.allocations],
+        "sites": [{"file": s.file, "line": s.line, "function": s.function} for s in d.sites],
+        "cost": d.cost,
+        "note": d.note,
     }
 
 

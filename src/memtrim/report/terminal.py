@@ -8,7 +8,7 @@ import textwrap
 from memtrim.analysis import Analysis, Breakdown, LineGroup
 from memtrim.report.escape import safe
 from memtrim.trace.model import Site, shape_text, site_text
-from memtrim.units import format_bytes
+from memtrim.units import format_bytes, format_change
 
 
 def _where(site: Site | None) -> str:
@@ -146,6 +146,36 @@ def _failure(analysis: Analysis, top: int) -> list[str]:
     return out
 
 
+def _module_text(module: str | None) -> str:
+    """`` (lm_head)``: the module a finding's line runs in, as ``named_modules()`` names it where the
+    recorded path allows (its leading class name dropped), else as recorded."""
+    if not module:
+        return ""
+    parts = module.split(".")
+    return f" ({safe('.'.join(parts[1:]) if len(parts) > 1 else module)})"
+
+
+def _how_to_cut_it(analysis: Analysis, top: int) -> list[str]:
+    """Each finding in three lines, largest saving first: the line and what is wrong there, what to
+    write instead, and the peak after (the what-if replay), with the verify mode that proves the fix."""
+    findings = analysis.diagnoses[:top]
+    if not findings:
+        if analysis.log.ops and not analysis.flow.recorded:
+            return [
+                "",
+                "How to cut it: this trace does not record which op read what (memtrim.trace/1); "
+                "record it again for diagnoses.",
+            ]
+        return []
+    out = ["", "How to cut it (largest saving first):"]
+    for d in findings:
+        check = f"; prove it: memtrim.verify(..., mode={d.verify_mode!r})" if d.verify_mode else ""
+        out.append(f"  - {_where(d.site)}{_module_text(d.module)}: {safe(d.problem)}")
+        out.append(f"    write: {safe(d.fix)}")
+        out.append(f"    peak after: {format_change(d.peak_before, d.peak_after)} [{safe(d.rule)}]{check}")
+    return out
+
+
 def render(analysis: Analysis, *, top: int = 5) -> str:
     """The summary: the peak and where it was reached, what was alive then by role and by line, the
     largest temporaries, and how to cut it. After a failure, what was alive at the failure comes first.
@@ -192,15 +222,5 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
             )
         out.extend(_table(rows, right={0, 1}))
 
-    findings = analysis.diagnoses
-    if findings:
-        out.append("")
-        out.append("How to cut it:")
-        for d in findings[:top]:
-            out.append(
-                f"  - {_where(d.site)}: {safe(d.problem)}.\n"
-                f"    Fix: {safe(d.fix)}.\n"
-                f"    Peak without these {len(d.allocations)} allocation(s): {format_bytes(d.peak_after)} "
-                f"(-{format_bytes(peak.bytes - d.peak_after)})."
-            )
+    out += _how_to_cut_it(analysis, top)
     return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))

@@ -48,6 +48,45 @@ def _site_table(log: TraceLog) -> tuple[list[Site], dict[Site, int]]:
     return sites, index
 
 
+def op_row_data(seq: int, row: OpRow, ref: Callable[[Site | None], int | None]) -> list[Any]:
+    """One op as the JSON row of :data:`OP_COLUMNS` (``ref`` gives a site's number in the site table)."""
+    return [seq, row.tick, row.op, row.phase.value, ref(row.site), row.node, row.module, list(row.inputs)]
+
+
+def allocation_data(a: Allocation, ref: Callable[[Site | None], int | None]) -> dict[str, Any]:
+    """One allocation as its JSON object."""
+    return {
+        "id": a.id,
+        "bytes": a.bytes,
+        "dtype": a.dtype,
+        "shape": list(a.shape),
+        "device": a.device,
+        "op": a.op,
+        "phase": a.phase.value,
+        "alloc_tick": a.alloc_tick,
+        "free_tick": a.free_tick,
+        "free_phase": None if a.free_phase is None else a.free_phase.value,
+        "site": ref(a.site),
+        "call_site": ref(a.call_site),
+        "node": a.node,
+        "module": a.module,
+        "saved": a.saved,
+        "preexisting": a.preexisting,
+        "facts": sorted(f.value for f in a.facts),
+    }
+
+
+def failed_op_data(log: TraceLog, ref: Callable[[Site | None], int | None]) -> list[Any] | None:
+    failed = log.failed_op
+    if failed is None:
+        return None
+    return op_row_data(
+        failed.seq,
+        OpRow(failed.tick, failed.op, failed.phase, failed.site, failed.node, failed.module, failed.inputs),
+        ref,
+    )
+
+
 def log_to_dict(log: TraceLog) -> dict[str, Any]:
     """The raw event log as plain JSON data."""
     sites, index = _site_table(log)
@@ -55,10 +94,6 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
     def ref(site: Site | None) -> int | None:
         return None if site is None else index[site]
 
-    def op_row(seq: int, row: OpRow) -> list[Any]:
-        return [seq, row.tick, row.op, row.phase.value, ref(row.site), row.node, row.module, list(row.inputs)]
-
-    failed = log.failed_op
     return {
         "schema": SCHEMA,
         "fake": log.fake,
@@ -69,37 +104,9 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
         "end_tick": log.end_tick,
         "sites": [[s.file, s.line, s.function] for s in sites],
         "op_columns": OP_COLUMNS,
-        "ops": [op_row(seq, row) for seq, row in enumerate(log.ops.rows)],
-        "failed_op": None
-        if failed is None
-        else op_row(
-            failed.seq,
-            OpRow(
-                failed.tick, failed.op, failed.phase, failed.site, failed.node, failed.module, failed.inputs
-            ),
-        ),
-        "allocations": [
-            {
-                "id": a.id,
-                "bytes": a.bytes,
-                "dtype": a.dtype,
-                "shape": list(a.shape),
-                "device": a.device,
-                "op": a.op,
-                "phase": a.phase.value,
-                "alloc_tick": a.alloc_tick,
-                "free_tick": a.free_tick,
-                "free_phase": None if a.free_phase is None else a.free_phase.value,
-                "site": ref(a.site),
-                "call_site": ref(a.call_site),
-                "node": a.node,
-                "module": a.module,
-                "saved": a.saved,
-                "preexisting": a.preexisting,
-                "facts": sorted(f.value for f in a.facts),
-            }
-            for a in log.allocations
-        ],
+        "ops": [op_row_data(seq, row, ref) for seq, row in enumerate(log.ops.rows)],
+        "failed_op": failed_op_data(log, ref),
+        "allocations": [allocation_data(a, ref) for a in log.allocations],
         "regions": [[r.name, r.start_tick, r.end_tick] for r in log.regions],
     }
 

@@ -1,14 +1,47 @@
 """memtrim.verify: prove a memory rewrite safe — bit-exact, or no less accurate than the original.
 
->>> report = memtrim.verify.verify(original, rewritten, (z, W_O))   # doctest: +SKIP
->>> report.assert_ok()                                              # doctest: +SKIP
+>>> import torch
+>>> from memtrim.verify import verify
+>>> def original(x, W):
+...     return (x[:, :, None] * W).sum(1)      # builds an [n, k, m] temporary
+>>> def rewrite(x, W):
+...     return x @ W                           # the same contraction, no temporary
+>>> x, W = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+>>> report = verify(original, rewrite, (x, W), seeds=(0,), mode="reference", memory=False)
+>>> report.passed, len(report.cases)           # fp64/fp32/fp16/bf16 x 4 layouts x 1 seed
+(True, 16)
+>>> report.assert_ok()
+
+The package, one module per job (data flows down the list):
+
+* :mod:`.api` — :func:`verify`, the function users call: validates arguments, builds the matrix, runs it.
+* :mod:`.config` — :class:`Settings`, the frozen configuration of one call.
+* :mod:`.cases` — the matrix: :class:`Case` (dtype x layout x seed x variant), the layouts, the inputs.
+* :mod:`.judge` — judges one case: runs both callables, checks structure and side effects, compares.
+* :mod:`.run` — runs one callable once: forward, gradients, second derivatives, errors, side effects.
+* :mod:`.oracle` — the float64 oracle of a case and its budget inputs; :class:`OracleCache`.
+* :mod:`.magnitudes` — traces the reference on absolute values to derive S and n (:data:`ABS_RULES`).
+* :mod:`.budget` — rounding rules per dtype (:data:`ROUNDING_REGISTRY`) and the budget formulas.
+* :mod:`.compare` — one tensor against the reference: bit-exact, or within the budget.
+* :mod:`.probes` — cancellation probes (exact zeros must stay zero).
+* :mod:`.results` — every result type: :class:`VerifyReport`, :class:`CaseResult`, :class:`Quantity`,
+  :class:`Failure`, :class:`ProbeResult`, :class:`RunResult`, :class:`CallError`.
 """
 
 from memtrim.verify.api import verify
+from memtrim.verify.budget import C_REORDER, K_FACTORS, ROUNDING_REGISTRY, Rounding, register_rounding
 from memtrim.verify.cases import LAYOUTS, CancellationProbe, Case
-from memtrim.verify.oracle import ABS_RULES, NotMultilinear, register_abs_rule
-from memtrim.verify.report import CaseResult, Failure, VerifyReport
-from memtrim.verify.tolerances import C_REORDER, K_FACTORS, ROUNDING_REGISTRY, register_rounding
+from memtrim.verify.config import Settings
+from memtrim.verify.magnitudes import ABS_RULES, NotMultilinear, register_abs_rule
+from memtrim.verify.results import (
+    CallError,
+    CaseResult,
+    Failure,
+    ProbeResult,
+    Quantity,
+    RunResult,
+    VerifyReport,
+)
 
 __all__ = [
     "ABS_RULES",
@@ -16,11 +49,17 @@ __all__ = [
     "K_FACTORS",
     "LAYOUTS",
     "ROUNDING_REGISTRY",
+    "CallError",
     "CancellationProbe",
     "Case",
     "CaseResult",
     "Failure",
     "NotMultilinear",
+    "ProbeResult",
+    "Quantity",
+    "Rounding",
+    "RunResult",
+    "Settings",
     "VerifyReport",
     "register_abs_rule",
     "register_rounding",

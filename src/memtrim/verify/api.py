@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from memtrim.trace import dtype_name
+from memtrim.verify.budget import C_REORDER, K_FACTORS
 from memtrim.verify.cases import (
     DEFAULT_SEEDS,
     LAYOUTS,
@@ -18,16 +20,14 @@ from memtrim.verify.cases import (
     Case,
     InputsSpec,
     default_dtypes,
-    dtype_name,
     infer_device,
     parse_dtype,
 )
-from memtrim.verify.execute import Settings, run_case
+from memtrim.verify.config import MODES, Mode, Settings
+from memtrim.verify.judge import run_case
+from memtrim.verify.oracle import OracleCache, oracle_key
 from memtrim.verify.probes import run_probe
-from memtrim.verify.report import VerifyReport
-from memtrim.verify.tolerances import C_REORDER, K_FACTORS
-
-MODES = ("auto", "exact", "reference")
+from memtrim.verify.results import VerifyReport
 
 
 def verify(
@@ -35,7 +35,7 @@ def verify(
     candidate: Callable[..., Any],
     inputs: InputsSpec,
     *,
-    mode: str = "auto",
+    mode: Mode = "auto",
     dtypes: Sequence[torch.dtype | str] | None = None,
     grads: bool = True,
     second_order: bool = False,
@@ -59,18 +59,32 @@ def verify(
     values are then drawn per seed. Gradients are checked for every input that requires grad, with a fixed
     random upstream gradient laid out like the case.
 
-    ``mode``: ``"exact"`` demands bit-equal values (NaN in the same places), dtypes and shapes;
-    ``"reference"`` judges each element against a float64 oracle with a derived rounding budget (see
-    :mod:`memtrim.verify.tolerances`); ``"auto"`` tries exact first and falls back to reference.
+    Compared: every output (dicts key by key), every gradient, every input the reference updates in
+    place, and with ``second_order=True`` second derivatives; inputs the candidate alone writes to (also
+    through ``.data``), writes outside a strided input's view, and outputs that alias an input where the
+    reference's do not, fail.
+
+    ``mode``: ``"exact"`` demands the same bits (NaN in the same places; -0.0 is not 0.0), dtypes and
+    shapes; ``"reference"`` judges each element against the float64 oracle with the rounding budget
+    derived by tracing the reference (:mod:`memtrim.verify.budget`, :mod:`memtrim.verify.magnitudes`);
+    ``"auto"`` tries exact first and falls back to reference.
 
     ``dtypes`` default to fp64, fp32, fp16, bf16 (or the inputs as given if none is floating point);
     ``layouts`` to contiguous, noncontiguous (NaN-poisoned strided slices), transposed, expanded; ``seeds``
     to 0, 1, 2. ``autocast=True`` adds autocast cases (bf16 on CPU; fp16 and bf16 on CUDA). ``variants``
     maps a name to more inputs (e.g. ``{"batchless": ..., "empty": ...}``) run over the same matrix.
     ``probes`` are cancellation probes: inputs whose exact result or gradient is zero somewhere, where the
-    candidate must then give exactly zero. ``abs_reference`` supplies S (called on |inputs| in float64)
-    when the reference cannot be traced; ``reduction_length`` then gives n. ``memory`` tracks both
-    callables' peak and largest temporary per case through memtrim's tracker.
+    candidate must then give exactly zero. ``abs_reference`` is a stand-in whose traced budget replaces
+    the reference's (for a reference with an op the tracer has no rule for); if it cannot be traced
+    either, it is called on |inputs| in float64 and gives S, with ``reduction_length`` products summed per
+    element. ``c`` is the reordering constant. ``memory`` tracks both callables' peak and largest
+    temporary per case through memtrim's tracker.
+
+    >>> import torch
+    >>> r = verify(torch.relu, lambda x: x * (x > 0), (torch.randn(3, 4),), mode="exact", seeds=(0,),
+    ...            dtypes=("fp32",), layouts=("contiguous",), memory=False)
+    >>> r.passed, "other sign of zero" in r.failures[0].message   # -0.0 where x < 0
+    (False, True)
     """
     t0 = time.perf_counter()
     if mode not in MODES:
@@ -88,15 +102,26 @@ def verify(
     odev = torch.device(oracle_device) if oracle_device is not None else _oracle_device(dev)
     cases = _matrix(specs, dtypes, layouts, seeds, autocast, dev)
     st = Settings(
-        reference, candidate, mode, grads, second_order, dev, odev, abs_reference, reduction_length, c, memory
+        reference=reference,
+        candidate=candidate,
+        mode=mode,
+        grads=grads,
+        second_order=second_order,
+        device=dev,
+        oracle_device=odev,
+        abs_reference=abs_reference,
+        reduction_length=reduction_length,
+        c=c,
+        memory=memory,
     )
+    cache = OracleCache([oracle_key(x) for x in cases])
     report = VerifyReport(mode=mode)
     report.settings = {
         "mode": mode,
         "device": str(dev),
         "oracle_device": str(odev),
         "c": c,
-        "k": dict(K_FACTORS),
+        "k": dict(K_FACTORS.items()),
         "dtypes": sorted({dtype_name(x.dtype) if x.dtype else "as-given" for x in cases}),
         "layouts": list(layouts),
         "seeds": list(seeds),
@@ -107,7 +132,7 @@ def verify(
     }
     with _progress(progress, len(cases) + len(probes)) as advance:
         for case in cases:
-            result, fails = run_case(st, case, specs[case.variant])
+            result, fails = run_case(st, cache, case, specs[case.variant])
             report.cases.append(result)
             report.failures.extend(fails)
             advance(case.id)
@@ -139,13 +164,14 @@ def _matrix(
         dts: Sequence[torch.dtype | None] = (
             [parse_dtype(d) for d in dtypes] if dtypes is not None else default_dtypes(spec)
         )
+        # dtype, then seed, then layout: the cases that share an oracle run one after another
         for dt in dts:
-            cases += [Case(dt, layout, seed, variant) for layout in layouts for seed in seeds]
+            cases += [Case(dt, layout, seed, variant) for seed in seeds for layout in layouts]
         if autocast:
             ac = (torch.bfloat16,) if dev.type == "cpu" else (torch.float16, torch.bfloat16)
             for dt in ac:
                 cases += [
-                    Case(dt, layout, seed, variant, autocast=True) for layout in layouts for seed in seeds
+                    Case(dt, layout, seed, variant, autocast=True) for seed in seeds for layout in layouts
                 ]
     return cases
 
@@ -179,17 +205,26 @@ class _progress:
 
 def _notes(st: Settings, report: VerifyReport) -> list[str]:
     notes = []
-    for why, first in st.no_s_reasons.items():
+    firsts: dict[str, str] = {}
+    for c in report.cases:
+        for text in (c.budget_note, *c.remarks):
+            if text:
+                firsts.setdefault(text, c.case.id)
+    for text, first in firsts.items():
+        if any(text == c.budget_note for c in report.cases):
+            notes.append(
+                f"the budget could not be derived ({text}; first in {first}): only the k-times rule holds "
+                "there, judged on tensor maxima as FlashAttention's tests do (max|cand - oracle| <= "
+                "k*max(max|orig - oracle|, u_out*max|oracle|)); pass abs_reference= to judge each element"
+            )
+        else:
+            notes.append(f"{text} (first in {first})")
+    if any(q.rule.startswith("per element") for c in report.cases for q in c.quantities):
         notes.append(
-            f"S could not be derived ({why}; first in {first}): only the k-times rule holds there, judged on "
-            "tensor maxima as FlashAttention's tests do (max|cand - oracle| <= k*max(max|orig - oracle|, "
-            "u_out*max|oracle|)); pass abs_reference= to judge each element"
-        )
-    if any(q.rule.startswith(("per element", "k-times")) for c in report.cases for q in c.quantities):
-        notes.append(
-            f"reference budget: |cand - oracle| <= k*|orig - oracle| + u_out*|oracle| + "
-            f"min(c*sqrt(n), gamma_n/u_acc)*u_acc*S, k = {K_FACTORS['output']:g} (outputs) / "
-            f"{K_FACTORS['grad']:g} (gradients), c = {st.c:g}, u_acc = fp32's for fp16/bf16/fp32 inputs"
+            "reference budget: |cand - oracle| <= k*|orig - oracle| + (1 + r)*(E + u_out*|oracle|), E the "
+            "first-order rounding error of the reference's steps in the case's precision (each step rounded "
+            f"to its dtype, sums of N terms min({st.c:g}*sqrt(N), N)*u_acc*S), r = u_fp64/u (1 in fp64), "
+            f"k = {K_FACTORS['output']:g} (outputs, updated inputs) / {K_FACTORS['grad']:g} (gradients)"
         )
     skipped = sorted({c.case.layout for c in report.cases if c.status == "skipped"})
     if skipped:

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-LAYOUTS = ("contiguous", "noncontiguous", "transposed", "expanded")
+from memtrim.registry import Registry
+from memtrim.trace import dtype_name
+
 DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_SEEDS = (0, 1, 2)
 
@@ -118,34 +120,36 @@ def leaf_names(spec: Any, prefix: str) -> list[str]:
     return [f"{prefix}{keystr(path)}" for path, _ in tree_flatten_with_path(skeleton)[0]]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-_DTYPE_ALIASES = {
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_ALIASES: Registry[str, torch.dtype] = Registry(
+    "dtype name", "memtrim.verify.cases.DTYPE_ALIASES.add(name, dtype)"
+)
+"""The names ``dtypes=`` accepts besides ``torch.dtype`` objects."""
+for _names, _dtype in (
+    (("fp64", "float64", "double"), torch.float64),
+    (("fp32", "float32", "float"), torch.float32),
+    (("fp16", "float16", "half"), torch.float16),
+    (("bf16", "bfloat16"), torch.bfloat16),
+):
+    for _name in _names:
+        DTYPE_ALIASES.add(_name, _dtype)
 
 
 def parse_dtype(d: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16`` for ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself.
+
+    >>> parse_dtype("bf16"), parse_dtype("torch.float16"), parse_dtype(torch.float64)
+    (torch.bfloat16, torch.float16, torch.float64)
+    >>> parse_dtype("fp8")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown dtype 'fp8'; use a torch.dtype or one of ['bf16', 'bfloat16', 'double', ...]
+    """
     if isinstance(d, torch.dtype):
         return d
-    try:
-        return _DTYPE_ALIASES[d.lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {d!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}"
-        ) from None
+    name = d.lower().removeprefix("torch.")
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {d!r}; use a torch.dtype or one of {sorted(DTYPE_ALIASES)}")
+    return DTYPE_ALIASES[name]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -173,22 +177,49 @@ def noncontiguous_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[..., 1], buf
 
 
+LayoutRule = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
+LAYOUT_RULES: Registry[str, LayoutRule] = Registry(
+    "layout", "memtrim.verify.cases.LAYOUT_RULES.register(name)"
+)
+"""Layout name -> ``rule(t)`` giving ``t`` in that layout (new storage) and its poisoned buffer, if any."""
+
+
+@LAYOUT_RULES.register("contiguous")
+def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return t.clone(memory_format=torch.contiguous_format), None
+
+
+@LAYOUT_RULES.register("noncontiguous")
+def _noncontiguous(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return noncontiguous_like(t)
+
+
+@LAYOUT_RULES.register("transposed")
+def _transposed(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    perm = list(range(t.dim()))[::-1]
+    return t.permute(perm).contiguous().permute(perm), None
+
+
+@LAYOUT_RULES.register("expanded")
+def _expanded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dim = expand_dim(t)
+    if dim is None:
+        return t.clone(), None
+    return t.narrow(dim, 0, 1).clone().expand(t.shape), None
+
+
+LAYOUTS: tuple[str, ...] = tuple(LAYOUT_RULES)
+"""The default layouts, in the order cases run."""
+
+
 def apply_layout(t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``t`` laid out as ``layout``, detached, in new storage; plus the poisoned buffer if any."""
-    t = t.detach()
-    if layout == "contiguous":
-        return t.clone(memory_format=torch.contiguous_format), None
-    if layout == "noncontiguous":
-        return noncontiguous_like(t)
-    if layout == "transposed":
-        perm = list(range(t.dim()))[::-1]
-        return t.permute(perm).contiguous().permute(perm), None
-    if layout == "expanded":
-        dim = expand_dim(t)
-        if dim is None:
-            return t.clone(), None
-        return t.narrow(dim, 0, 1).clone().expand(t.shape), None
-    raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    """``t`` laid out as ``layout``, detached, in new storage; plus the poisoned buffer if any.
+
+    >>> t = torch.arange(6.0).view(2, 3)
+    >>> [apply_layout(t, name)[0].stride() for name in LAYOUTS]
+    [(3, 1), (6, 2), (1, 2), (0, 1)]
+    """
+    return LAYOUT_RULES.require(layout, f"choose from {LAYOUTS}")(t.detach())
 
 
 def expand_dim(t: torch.Tensor) -> int | None:
@@ -200,6 +231,14 @@ def expanded_values(t: torch.Tensor) -> torch.Tensor:
     """The values an expanded layout of ``t`` holds (repeated along :func:`expand_dim`), contiguous."""
     dim = expand_dim(t)
     return t.clone() if dim is None else t.narrow(dim, 0, 1).expand(t.shape).contiguous()
+
+
+def seed_rngs(seed: int, cuda_devices: Sequence[int] = ()) -> None:
+    """``torch.manual_seed(seed)`` for the CPU generator and the given CUDA devices only (torch's own
+    also queues a call, with a stack trace, for every accelerator backend not yet initialised)."""
+    torch.default_generator.manual_seed(seed)
+    for index in cuda_devices:
+        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 class InputError(Exception):
@@ -239,7 +278,7 @@ def build_inputs(spec: InputsSpec, case: Case, device: torch.device) -> CaseInpu
         try:
             cuda = [device.index or 0] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda):  # seed the builder's draws; leave the caller's RNG be
-                torch.manual_seed(case.seed)
+                seed_rngs(case.seed, cuda)
                 built = spec(dtype if dtype is not None else torch.float32, device, case.seed)
         except Exception as exc:
             raise InputError(

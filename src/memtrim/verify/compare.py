@@ -2,55 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memtrim.verify.tolerances import (
+from memtrim.trace import dtype_name
+from memtrim.verify.budget import (
     K_FACTORS,
-    NoRoundingRule,
     Rounding,
     assert_close_tolerances,
     assert_close_verdict,
     elementwise_budget,
-    gamma,
+    oracle_share,
     rounding_for,
     tensorwise_budget,
 )
+from memtrim.verify.results import Quantity, QuantityKind
+from memtrim.verify.run import same_bits
 
 MAX_SHOWN = 5
-
-
-@dataclass
-class Quantity:
-    """The verdict on one compared tensor (an output, a gradient, a second derivative)."""
-
-    name: str
-    kind: str
-    passed: bool
-    rule: str
-    exact: bool
-    numel: int = 0
-    n_differ: int = 0
-    max_abs_diff: float = 0.0
-    n_over: int = 0
-    worst: dict[str, Any] | None = None
-    offending: list[dict[str, Any]] = field(default_factory=list)
-    norm_err: float | None = None
-    norm_err_orig: float | None = None
-    gamma_n: float | None = None
-    bound: float | None = None
-    n_max: int | None = None
-    u_out: float | None = None
-    u_acc: float | None = None
-    assert_close: bool | None = None
-    assert_close_orig: bool | None = None
-    assert_close_msg: str = ""
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
 
 
 def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -67,7 +38,7 @@ def _val(t: torch.Tensor, flat: int) -> float | int | bool:
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise equality with NaN equal to NaN (``torch.equal`` semantics plus NaN placement)."""
+    """Elementwise numeric equality with NaN equal to NaN (so ``-0.0 == 0.0``; see ``same_bits``)."""
     eq = a == b
     if a.is_floating_point() or a.is_complex():
         eq = eq | (a.isnan() & b.isnan())
@@ -83,8 +54,9 @@ def check_meta(name: str, cand: Any, ref: Any) -> str | None:
         )
     if cand.dtype != ref.dtype:
         return (
-            f"candidate {name} is {_dt(cand.dtype)} where the reference's is {_dt(ref.dtype)}: the candidate "
-            "changes the dtype; compute in the inputs' dtype or cast the result back (e.g. .to(x.dtype))"
+            f"candidate {name} is {dtype_name(cand.dtype)} where the reference's is "
+            f"{dtype_name(ref.dtype)}: the candidate changes the dtype; compute in the inputs' dtype or "
+            "cast the result back (e.g. .to(x.dtype))"
         )
     if cand.shape != ref.shape:
         return (
@@ -94,13 +66,17 @@ def check_meta(name: str, cand: Any, ref: Any) -> str | None:
     return None
 
 
-def _dt(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
+def compare_exact(name: str, kind: QuantityKind, cand: torch.Tensor, ref: torch.Tensor) -> Quantity:
+    """The same bits (NaN in the same places, any payload), so ``-0.0`` and ``+0.0`` differ; the
+    offending indices and values if not.
 
-
-def compare_exact(name: str, kind: str, cand: torch.Tensor, ref: torch.Tensor) -> Quantity:
-    """``torch.equal`` on values (NaN in the same places); the offending indices and values if not."""
-    eq = same_values(cand, ref)
+    >>> q = compare_exact("output", "output", torch.tensor([0.0, -0.0]), torch.tensor([0.0, 0.0]))
+    >>> q.passed, q.offending
+    (False, [{'index': (1,), 'candidate': -0.0, 'reference': 0.0}])
+    >>> "the other sign of zero" in q.message
+    True
+    """
+    eq = same_bits(cand, ref)
     bad = (~eq).reshape(-1).nonzero().reshape(-1)
     q = Quantity(
         name, kind, passed=bad.numel() == 0, rule="exact", exact=bad.numel() == 0, numel=cand.numel()
@@ -121,71 +97,94 @@ def compare_exact(name: str, kind: str, cand: torch.Tensor, ref: torch.Tensor) -
         f"(max |diff| {q.max_abs_diff:.3g}); first at {first['index']}: candidate {first['candidate']!r} "
         f"vs reference {first['reference']!r}"
     )
+    if q.max_abs_diff == 0 and cand.is_floating_point():
+        q.message += " (the same value with the other sign of zero: bit-exact means the same bits)"
+    if kind == "update":
+        q.message += f"; {_update_hint(name)}"
     return q
+
+
+def _update_hint(name: str) -> str:
+    return f"the candidate updates {name.removesuffix(' (updated in place)')} differently from the reference"
 
 
 @dataclass
 class BudgetInputs:
-    """What the reference-mode judgement needs besides the candidate: orig, oracle, S and n."""
+    """What the reference-mode judgement needs besides the candidate: the original, the oracle, and
+    the oracle's magnitude S and error bound E (None where the budget could not be derived)."""
 
     orig: torch.Tensor
     oracle: torch.Tensor
     s: torch.Tensor | None
-    n: torch.Tensor | None
-    s_source: str
+    e: torch.Tensor | None
+    source: str
     case_dtype: torch.dtype | None
     autocast: bool
 
 
 def compare_reference(
-    name: str, kind: str, cand: torch.Tensor, b: BudgetInputs, *, c: float, layout: str
+    name: str, kind: QuantityKind, cand: torch.Tensor, b: BudgetInputs, *, layout: str
 ) -> Quantity:
-    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`.tolerances`."""
+    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`memtrim.verify.budget`."""
     if not (cand.is_floating_point() and b.orig.is_floating_point()):
         return compare_exact(name, kind, cand, b.orig)
-    exact = bool(same_values(cand, b.orig).all())
+    exact = bool(same_bits(cand, b.orig).all())
     out_r = rounding_for(cand.dtype)
     case_r: Rounding = rounding_for(b.case_dtype or cand.dtype, autocast=b.autocast)
     k = K_FACTORS[kind]
-    # Judge on the oracle's device (CPU when the case runs on MPS, which has no float64).
+    # Judge on the oracle's device (CPU when the case runs on MPS, which has no float64). Written to
+    # make few passes over the data and free each float64 temporary early: these tensors are case-sized.
     dev = b.oracle.device
     oracle = b.oracle.to(dtype=torch.float64)
     cand, orig = cand.to(dev), b.orig.to(dev)
-    c64, o64 = cand.to(torch.float64), orig.to(torch.float64)
-    err = (c64 - oracle).abs()
-    orig_err = (o64 - oracle).abs()
+    err = (cand.to(torch.float64) - oracle).abs_()  # (a subtraction: never in place on the inputs)
+    orig_err = (orig.to(torch.float64) - oracle).abs_()
     q = Quantity(name, kind, passed=True, rule="", exact=exact, numel=cand.numel())
-    q.u_out, q.u_acc = out_r.u, case_r.u_acc
+    q.u_out, q.u, q.u_acc = out_r.u, case_r.u, case_r.u_acc
+    finite = oracle.isfinite()
+    all_finite = bool(finite.all())
+    if all_finite:  # equal values are exactly the zero errors
+        same_c, same_o = err == 0, orig_err == 0
+    else:
+        same_c = same_values(cand.to(torch.float64), oracle)
+        same_o = same_values(orig.to(torch.float64), oracle)
     rtol, atol = assert_close_tolerances(cand, oracle)
-    same_c, same_o = same_values(c64, oracle), same_values(o64, oracle)
     q.assert_close, q.assert_close_msg = assert_close_verdict(err, oracle, same_c, rtol, atol)
     q.assert_close_orig, _ = assert_close_verdict(orig_err, oracle, same_o, rtol, atol)
     if cand.numel() == 0:
         q.rule = "empty"
         return q
-    finite = oracle.isfinite()
-    # Where the oracle itself is not finite, the candidate must match it or the original exactly.
-    nonfinite_ok = same_c | same_values(c64, o64)
-    if b.s is not None and b.n is not None:
+    if b.s is not None and b.e is not None:
         s = b.s.to(device=dev, dtype=torch.float64)
-        n = b.n.to(device=dev, dtype=torch.float64)
-        budget = elementwise_budget(orig_err, oracle, s, n, k=k, u_out=out_r.u, u_acc=case_r.u_acc, c=c)
-        q.rule = f"per element, S {b.s_source}"
+        budget = elementwise_budget(
+            orig_err,
+            oracle,
+            b.e.to(device=dev, dtype=torch.float64),
+            k=k,
+            u_out=out_r.u,
+            oracle_share=oracle_share(case_r),
+            eta_out=out_r.eta,
+        )
+        q.rule = f"per element, budget {b.source}"
         pos = s > 0
         if bool(pos.any()):
-            q.norm_err = float((err[pos] / s[pos]).nan_to_num(nan=float("inf")).max())
-            q.norm_err_orig = float((orig_err[pos] / s[pos]).nan_to_num(nan=float("inf")).max())
-        q.n_max = int(n.max())
-        q.gamma_n = gamma(q.n_max, case_r.u_acc)
-        # Worst case for a correct implementation: accumulation (gamma_n) plus the final rounding.
-        q.bound = q.gamma_n + out_r.u * (1.0 + q.gamma_n)
+            q.norm_err = _max_ratio(err, s, pos)
+            q.norm_err_orig = _max_ratio(orig_err, s, pos)
     else:
         # Elements where the original overflowed (or is NaN) are not held against the candidate's max.
-        orig_ok = o64.isfinite()
+        orig_ok = orig_err.isfinite() | ~finite
         top = tensorwise_budget(orig_err[finite & orig_ok], oracle, k=k, u_out=out_r.u)
-        budget = torch.where(orig_ok, torch.full_like(err, top), torch.full_like(err, float("inf")))
-        q.rule = "k-times rule on maxima (no S)"
-    ok = torch.where(finite, err <= budget, nonfinite_ok)  # NaN error compares False: fails
+        budget = torch.full_like(err, top).masked_fill_(~orig_ok, float("inf"))
+        q.rule = "k-times rule on maxima (no budget)"
+    del orig_err
+    ok = err <= budget  # NaN error compares False: fails
+    if not all_finite:
+        # Where the oracle itself is not finite, the candidate must match it or the original exactly.
+        nonfinite_ok = same_c | same_values(cand.to(torch.float64), orig.to(torch.float64))
+        ok = torch.where(finite, ok, nonfinite_ok)
+    judged = finite & (budget > 0) & budget.isfinite()
+    if bool(judged.any()):
+        q.budget_used = _max_ratio(err, budget, judged)
     bad = (~ok).reshape(-1).nonzero().reshape(-1)
     q.n_over = int(bad.numel())
     q.max_abs_diff = float(err.nan_to_num(nan=float("inf")).max())
@@ -210,6 +209,12 @@ def compare_reference(
     return q
 
 
+def _max_ratio(num: torch.Tensor, den: torch.Tensor, where: torch.Tensor) -> float:
+    """max of ``num / den`` over ``where`` (NaN counts as infinite)."""
+    ratio = torch.where(where, num / den, 0.0)
+    return float(ratio.nan_to_num_(nan=float("inf")).max())
+
+
 def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, layout: str) -> str:
     w = q.worst
     assert w is not None
@@ -228,17 +233,11 @@ def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, la
                 ".contiguous() on its inputs"
             )
         return f"{what}. Hint: {hint}"
+    if q.kind == "update":
+        return f"{what}. {_update_hint(q.name).capitalize()}"
     if q.n_over > q.numel // 2:
         return f"{what}. Most elements are off: the candidate computes a different function"
     return f"{what}. The candidate is less accurate than the original (or wrong at a few elements)"
 
 
-__all__ = [
-    "BudgetInputs",
-    "NoRoundingRule",
-    "Quantity",
-    "check_meta",
-    "compare_exact",
-    "compare_reference",
-    "same_values",
-]
+__all__ = ["BudgetInputs", "check_meta", "compare_exact", "compare_reference", "same_bits", "same_values"]

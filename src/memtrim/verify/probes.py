@@ -14,8 +14,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memtrim.verify.cases import CancellationProbe, leaf_names
-from memtrim.verify.report import Failure, ProbeResult
-from memtrim.verify.runner import RunResult, run_callable
+from memtrim.verify.results import Failure, ProbeResult, RunResult
+from memtrim.verify.run import run_callable
 
 
 def run_probe(

@@ -1,4 +1,6 @@
-"""One case of the matrix: run both callables, check structure and side effects, then compare."""
+"""Judge one case of the matrix: run both callables (:mod:`.run`), check structure and side effects,
+then compare every output and gradient (:mod:`.compare`), bit for bit or against the oracle
+(:mod:`.oracle`)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from memtrim.verify.budget import NoRoundingRule, rounding_for
 from memtrim.verify.cases import (
     Case,
     CaseInputs,
@@ -19,16 +21,15 @@ from memtrim.verify.cases import (
     InputsSpec,
     apply_layout,
     build_inputs,
-    dtype_name,
     expanded_values,
     leaf_names,
     upstream_like,
 )
 from memtrim.verify.compare import BudgetInputs, check_meta, compare_exact, compare_reference
-from memtrim.verify.derive import Derived, Upstream, derive, run_oracle
-from memtrim.verify.report import CaseResult, Failure
-from memtrim.verify.runner import RunResult, measure, run_callable
-from memtrim.verify.tolerances import NoRoundingRule
+from memtrim.verify.config import Settings
+from memtrim.verify.oracle import Oracle, OracleCache, Upstream, oracle_key, run_oracle
+from memtrim.verify.results import CaseResult, Failure, FailureKind, QuantityKind, RunResult
+from memtrim.verify.run import measure, run_callable
 
 INPLACE_HINT = (
     "an in-place op overwrote a tensor that autograd saved for backward; clone it before modifying it, or "
@@ -36,38 +37,25 @@ INPLACE_HINT = (
 )
 
 
-@dataclass
-class Settings:
-    reference: Callable[..., Any]
-    candidate: Callable[..., Any]
-    mode: str
-    grads: bool
-    second_order: bool
-    device: torch.device
-    oracle_device: torch.device
-    abs_reference: Callable[..., Any] | None
-    reduction_length: int | None
-    c: float
-    memory: bool
-    oracle_cache: dict[Any, tuple[RunResult, Derived | None]] = field(default_factory=dict)
-    count_cache: dict[Any, RunResult] = field(default_factory=dict)
-    no_s_reasons: dict[str, str] = field(default_factory=dict)
-
-
-def run_case(st: Settings, case: Case, spec: InputsSpec) -> tuple[CaseResult, list[Failure]]:
+def run_case(
+    st: Settings, cache: OracleCache, case: Case, spec: InputsSpec
+) -> tuple[CaseResult, list[Failure]]:
+    """Run and judge ``case``; its result and the failures found (each naming the case and the fix)."""
     t0 = time.perf_counter()
     res = CaseResult(case)
     fails: list[Failure] = []
 
-    def fail(what: str, kind: str, message: str, **details: Any) -> None:
+    def fail(what: str, kind: FailureKind, message: str, **details: Any) -> None:
         fails.append(Failure(case.id, what, kind, f"{message} (case {case.id})", details))
 
     try:
-        _run_case(st, case, spec, res, fail)
+        _run_case(st, cache, case, spec, res, fail)
     except InputError as exc:
         fail("inputs", "inputs", str(exc))
     except NoRoundingRule as exc:
         fail("budget", "budget", str(exc))
+    finally:
+        cache.done(oracle_key(case))
     if fails:
         res.status = "failed"
         res.note = res.note or fails[0].what
@@ -83,7 +71,14 @@ def _forward_context(case: Case, device: torch.device) -> Callable[[], AbstractC
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail: Callable[..., None]) -> None:
+def _run_case(
+    st: Settings,
+    cache: OracleCache,
+    case: Case,
+    spec: InputsSpec,
+    res: CaseResult,
+    fail: Callable[..., None],
+) -> None:
     inputs = build_inputs(spec, case, st.device)
     fwd = _forward_context(case, st.device)
     canon = Upstream(None, None)
@@ -184,7 +179,7 @@ def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail:
                 "reference's; make both callables return tensors in the same places",
             )
             return
-    if not _side_effects(inputs, orig, cand, case, fail):
+    if not _side_effects(inputs, orig, cand, res, fail):
         return
     pairs = _pairs(inputs, orig, cand, out_names, fail)
     if st.memory:
@@ -206,11 +201,11 @@ def _run_case(st: Settings, case: Case, spec: InputsSpec, res: CaseResult, fail:
                 )
         res.held = "exact" if all(q.passed for q in exact_qs) else None
         return
-    _judge_reference(st, case, inputs, canon, orig, pairs, res, fail)
+    _judge_reference(st, cache, case, inputs, canon, orig, pairs, res, fail)
 
 
 def _side_effects(
-    inputs: CaseInputs, orig: RunResult, cand: RunResult, case: Case, fail: Callable[..., None]
+    inputs: CaseInputs, orig: RunResult, cand: RunResult, res: CaseResult, fail: Callable[..., None]
 ) -> bool:
     names = inputs.names
     ok = True
@@ -223,14 +218,44 @@ def _side_effects(
         )
         ok = False
     for i in sorted(set(cand.mutated) - set(orig.mutated)):
+        how = (
+            "through .data or a detached alias (its version counter did not change, so autograd cannot "
+            "see it either)"
+            if i in cand.mutated_silently
+            else "in place (its version counter changed)"
+        )
         fail(
             names[i],
             "mutation",
-            f"the candidate modifies {names[i]} in place (its version counter changed) "
-            "but the reference does not; clone it first, or the caller's tensor changes under them",
+            f"the candidate modifies {names[i]} {how} but the reference does not; clone it first, or the "
+            "caller's tensor changes under them",
+        )
+        ok = False
+    for i in sorted(set(orig.mutated) - set(cand.mutated)):
+        fail(
+            f"{names[i]} (updated in place)",
+            "update",
+            f"the reference updates {names[i]} in place but the candidate leaves it unchanged; make the "
+            "candidate write the same update",
         )
         ok = False
     out_names = leaf_names(orig.spec, "output")
+    for j, (o, c) in enumerate(zip(orig.aliases, cand.aliases, strict=False)):
+        if c is not None and o != c:
+            theirs = "a fresh tensor" if o is None else f"a view of {names[o]}"
+            fail(
+                out_names[j],
+                "aliasing",
+                f"candidate {out_names[j]} shares memory with {names[c]} (it is a view of it, or the input "
+                f"itself) while the reference's is {theirs}: writing to one changes the other; return a "
+                "copy (.clone()) if callers may write to either",
+            )
+            ok = False
+        elif o is not None and c is None:
+            res.remarks.append(
+                f"the candidate's {out_names[j]} is a fresh tensor where the reference's is a view of "
+                f"{names[o]}: it costs memory, and writes to it no longer reach the input"
+            )
     for j in cand.detached:
         fail(
             out_names[j],
@@ -254,9 +279,9 @@ def _side_effects(
 
 def _pairs(
     inputs: CaseInputs, orig: RunResult, cand: RunResult, out_names: list[str], fail: Callable[..., None]
-) -> list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]]:
+) -> list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]]:
     """(name, kind, candidate, original, where-in-oracle) for every tensor to compare; meta failures."""
-    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]] = []
+    pairs: list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]] = []
     ok = True
     for j, (name, c, o) in enumerate(zip(out_names, cand.outputs, orig.outputs, strict=True)):
         msg = check_meta(name, c, o)
@@ -266,7 +291,22 @@ def _pairs(
         else:
             pairs.append((name, "output", c, o, ("outputs", j)))
     names = inputs.names
-    for field_, kind, label in (("grads", "grad", "grad of"), ("grads2", "grad2", "2nd derivative of")):
+    for i in orig.mutated:
+        o, c = orig.updates[i], cand.updates[i] if i < len(cand.updates) else None
+        if o is None or c is None:
+            continue
+        name = f"{names[i]} (updated in place)"
+        msg = check_meta(name, c, o)
+        if msg:
+            fail(name, "meta", msg)
+            ok = False
+        else:
+            pairs.append((name, "update", c, o, ("updates", i)))
+    grad_kinds: tuple[tuple[str, QuantityKind, str], ...] = (
+        ("grads", "grad", "grad of"),
+        ("grads2", "grad2", "2nd derivative of"),
+    )
+    for field_, kind, label in grad_kinds:
         og, cg = getattr(orig, field_), getattr(cand, field_)
         if og is None or cg is None:
             continue
@@ -299,45 +339,42 @@ def _pairs(
 
 def _judge_reference(
     st: Settings,
+    cache: OracleCache,
     case: Case,
     inputs: CaseInputs,
     canon: Upstream,
     orig: RunResult,
-    pairs: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple[str, int]]],
+    pairs: list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]],
     res: CaseResult,
     fail: Callable[..., None],
 ) -> None:
-    key = (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
-    cached = st.oracle_cache.get(key)
-    if cached is None:
-        oracle = run_oracle(st.reference, inputs, canon, st.oracle_device)
-        derived = None
-        if oracle.error is None:
-            derived = derive(
-                st.reference,
-                st.abs_reference,
-                st.reduction_length,
-                inputs,
-                canon,
-                st.oracle_device,
-                st.count_cache,
-            )
-        cached = (oracle, derived)
-        st.oracle_cache[key] = cached
-    oracle, derived = cached
-    if oracle.error is not None or derived is None:
-        err = oracle.error.describe() if oracle.error else "no oracle"
+    rounding = rounding_for(case.dtype or torch.get_default_dtype(), autocast=case.autocast)
+
+    def make() -> Oracle:
+        return run_oracle(
+            st.reference,
+            inputs,
+            canon,
+            st.oracle_device,
+            rounding,
+            c=st.c,
+            abs_reference=st.abs_reference,
+            reduction_length=st.reduction_length,
+        )
+
+    oracle = cache.get(oracle_key(case), case.layout, make)
+    if oracle.run.error is not None:
         fail(
             "oracle",
             "reference",
-            f"the reference raised in float64 (the oracle): {err}; reference mode needs "
-            "a reference that runs in float64 (use mode='exact' otherwise)",
+            f"the reference raised in float64 (the oracle): {oracle.run.error.describe()}; reference mode "
+            "needs a reference that runs in float64 (use mode='exact' otherwise)",
         )
         return
-    if derived.why_not:
-        st.no_s_reasons.setdefault(derived.why_not, case.id)
+    if oracle.why_not:
+        res.budget_note = oracle.why_not
     for name, kind, c, o, (field_, idx) in pairs:
-        ora = _get(oracle, field_, idx, o)
+        ora = _get(oracle.run, field_, idx, o)
         if ora.shape != o.shape:
             fail(
                 name,
@@ -346,10 +383,10 @@ def _judge_reference(
                 f"{tuple(o.shape)}: the reference behaves differently in float64",
             )
             continue
-        s = _get(derived.s, field_, idx, o) if derived.s else None
-        n = _get(derived.n, field_, idx, o) if derived.n else None
-        b = BudgetInputs(o, ora, s, n, derived.source, case.dtype, case.autocast)
-        q = compare_reference(name, kind, c, b, c=st.c, layout=case.layout)
+        s = _get(oracle.s, field_, idx, o) if oracle.s is not None else None
+        e = _get(oracle.e, field_, idx, o) if oracle.e is not None else None
+        b = BudgetInputs(o, ora, s, e, oracle.source or "", case.dtype, case.autocast)
+        q = compare_reference(name, kind, c, b, layout=case.layout)
         res.quantities.append(q)
         if not q.passed:
             fail(name, "mismatch", q.message, offending=q.offending)
@@ -385,6 +422,7 @@ def _measure(
             directions=(lambda gs: list(dirs)) if dirs is not None else None,
             forward_context=fwd,
             seed=inputs.case.seed,
+            watch_inputs=False,
         )
     )
 
@@ -410,4 +448,4 @@ def _describe_tree(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-__all__ = ["Settings", "dtype_name", "run_case"]
+__all__ = ["run_case"]

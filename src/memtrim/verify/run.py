@@ -1,4 +1,7 @@
-"""Run one callable on one set of inputs: forward, gradients, second derivatives; errors and side effects."""
+"""Run one callable on one set of inputs: forward, gradients, second derivatives; errors and side effects.
+
+The runner of one *case* (both callables, then the verdict) is :mod:`memtrim.verify.judge`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,38 +20,11 @@ from torch.utils._pytree import tree_flatten
 from memtrim.analysis.analysis import analyze
 from memtrim.analysis.footprint import Footprint
 from memtrim.capture.api import record
+from memtrim.verify.cases import seed_rngs
+from memtrim.verify.results import CallError, RunResult
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _VERIFY_DIR = os.path.dirname(__file__)
-
-
-@dataclass
-class CallError:
-    """An exception raised by a callable: in which phase, what, and the user's line that raised it."""
-
-    phase: str
-    type: str
-    message: str
-    where: str | None
-
-    def describe(self) -> str:
-        at = f" at {self.where}" if self.where else ""
-        msg = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        return f"{self.type} in {self.phase}{at}: {msg}"
-
-
-@dataclass
-class RunResult:
-    outputs: list[Any] = field(default_factory=list)
-    spec: Any = None
-    out_requires_grad: list[bool] = field(default_factory=list)
-    detached: list[int] = field(default_factory=list)
-    grads: list[torch.Tensor | None] | None = None
-    grads2: list[torch.Tensor | None] | None = None
-    not_differentiable: list[int] = field(default_factory=list)
-    mutated: list[int] = field(default_factory=list)
-    poisoned: list[int] = field(default_factory=list)
-    error: CallError | None = None
 
 
 def _user_frame(exc: BaseException) -> str | None:
@@ -82,8 +57,61 @@ def seeded(seed: int | None, leaves: Sequence[Any]) -> Iterator[None]:
         return
     cuda = sorted({x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda})
     with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)
+        seed_rngs(seed, cuda)
         yield
+
+
+def canonical(tree: Any) -> Any:
+    """``tree`` with every dict's keys in sorted order, so two callables that return the same dict in
+    another insertion order flatten alike (and get the same upstream gradients)."""
+    if isinstance(tree, dict):
+        items = sorted(tree.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        return type(tree)((k, canonical(v)) for k, v in items)
+    if isinstance(tree, list):
+        return [canonical(v) for v in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(canonical(v) for v in tree)
+    return tree
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (floats and complex); other dtypes as they are."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    return t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bits, or both NaN (any payload). So -0.0 and +0.0 differ."""
+    eq = bits(a) == bits(b)
+    if a.is_complex():
+        eq = eq.all(-1)
+    if (a.is_floating_point() or a.is_complex()) and not bool(eq.all()):
+        eq = eq | (a.isnan() & b.isnan())
+    return eq
+
+
+def _snapshot(x: Any) -> torch.Tensor | None:
+    return x.detach().clone() if isinstance(x, torch.Tensor) else None
+
+
+def _changed(before: torch.Tensor | None, x: Any) -> bool:
+    if before is None or not isinstance(x, torch.Tensor) or before.shape != x.shape:
+        return before is not None
+    return not bool(same_bits(before, x.detach()).all())
+
+
+def _alias_of(o: Any, leaves: list[Any]) -> int | None:
+    """The input leaf whose memory ``o`` shares (a view of it, or the input itself)."""
+    if not isinstance(o, torch.Tensor) or o.numel() == 0:
+        return None
+    mine = o.untyped_storage()._cdata
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage()._cdata == mine:
+            return i
+    return None
 
 
 def run_callable(
@@ -96,18 +124,35 @@ def run_callable(
     directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None = None,
     guards: Sequence[tuple[int, torch.Tensor]] = (),
     forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     seed: int | None = None,
+    watch_inputs: bool = True,
 ) -> RunResult:
     """Call ``fn(*make_args(leaves))``, then backpropagate ``grad_outputs(outputs)`` into the diff leaves.
 
     ``grad_outputs`` returns one upstream gradient per flat output (None: not differentiated); an output
     that should be differentiated but does not require grad is listed in ``detached``. ``directions``
-    (second order) gives one direction per differentiable leaf for a Hessian-vector product. ``seed``
-    seeds the RNGs for the run (and restores the caller's RNG state after it).
+    (second order) gives one direction per differentiable leaf for a Hessian-vector product.
+    ``forward_context`` wraps the call (autocast), ``context`` the call and its backward (the oracle's
+    tracer). ``seed`` seeds the RNGs for the run (and restores the caller's RNG state after it).
+
+    Outputs are flattened with dict keys sorted (:func:`canonical`). An input counts as mutated when its
+    version counter moved or its bits changed (``.data`` writes move no counter: ``mutated_silently``);
+    its value afterwards is kept in ``updates``. ``aliases`` names, per output, the input it shares memory
+    with. ``watch_inputs=False`` skips the copies of the inputs that comparing bits needs (memory runs).
     """
     with seeded(seed, leaves):
         return _run_callable(
-            fn, leaves, make_args, diff_index, grad_outputs, directions, guards, forward_context
+            fn,
+            leaves,
+            make_args,
+            diff_index,
+            grad_outputs,
+            directions,
+            guards,
+            forward_context,
+            context,
+            watch_inputs,
         )
 
 
@@ -120,17 +165,21 @@ def _run_callable(
     directions: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]] | None,
     guards: Sequence[tuple[int, torch.Tensor]],
     forward_context: Callable[[], AbstractContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
+    watch_inputs: bool,
 ) -> RunResult:
     res = RunResult()
     versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
+    before = [_snapshot(x) if watch_inputs else None for x in leaves]
     try:
-        with forward_context():
+        with context(), forward_context():
             out = fn(*make_args(leaves))
     except Exception as exc:
         res.error = _error("forward", exc)
         return res
-    res.outputs, res.spec = tree_flatten(out)
+    res.outputs, res.spec = tree_flatten(canonical(out))
     res.out_requires_grad = [isinstance(o, torch.Tensor) and o.requires_grad for o in res.outputs]
+    res.aliases = [_alias_of(o, leaves) for o in res.outputs]
     diff_leaves = [leaves[i] for i in diff_index]
     if grad_outputs is not None and diff_leaves:
         ups = grad_outputs(res.outputs)
@@ -143,30 +192,35 @@ def _run_callable(
                 continue
             pairs.append((o, g))
         res.grads = [None] * len(diff_leaves)
-        if pairs:
-            try:
-                grads = torch.autograd.grad(
-                    [o for o, _ in pairs],
-                    diff_leaves,
-                    [g for _, g in pairs],
-                    allow_unused=True,
-                    create_graph=directions is not None,
-                )
-                res.grads = list(grads)
-            except Exception as exc:
-                res.error = _error("backward", exc)
-        if directions is not None and res.error is None:
-            _second_order(res, diff_leaves, directions)
+        with context():
+            if pairs:
+                try:
+                    grads = torch.autograd.grad(
+                        [o for o, _ in pairs],
+                        diff_leaves,
+                        [g for _, g in pairs],
+                        allow_unused=True,
+                        create_graph=directions is not None,
+                    )
+                    res.grads = list(grads)
+                except Exception as exc:
+                    res.error = _error("backward", exc)
+            if directions is not None and res.error is None:
+                _second_order(res, diff_leaves, directions)
     for j in range(len(res.outputs)):
         if isinstance(res.outputs[j], torch.Tensor):
             res.outputs[j] = res.outputs[j].detach()
     if res.grads is not None:
         res.grads = [g.detach() if g is not None else None for g in res.grads]
-    res.mutated = [
+    moved = {
         i
         for i, (x, v) in enumerate(zip(leaves, versions, strict=True))
         if isinstance(x, torch.Tensor) and x._version != v
-    ]
+    }
+    changed = {i for i, (b, x) in enumerate(zip(before, leaves, strict=True)) if _changed(b, x)}
+    res.mutated = sorted(moved | changed)
+    res.mutated_silently = sorted(changed - moved)
+    res.updates = [x.detach() if i in moved | changed else None for i, x in enumerate(leaves)]
     res.poisoned = [i for i, buf in guards if not _poison_intact(buf)]
     return res
 

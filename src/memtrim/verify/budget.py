@@ -1,16 +1,24 @@
-"""Rounding budgets, looked up in registries of small functions (as torch/utils/flop_counter.py does).
+"""The rounding budget of reference mode: rounding rules per dtype (registries of small functions, as
+``torch/utils/flop_counter.py`` keeps its formulas) and the per-element rule.
 
 A candidate in ``reference`` mode passes an element where
 
-    |cand - oracle| <= k * |orig - oracle| + u_out * |oracle| + min(c * sqrt(n), gamma_n / u_acc) * u_acc * S
+    |cand - oracle| <= k * |orig - oracle| + (1 + r) * (E + u_out * |oracle| + eta_out)
 
 ``orig`` is the reference run in the case's dtype, ``oracle`` the reference in float64 on the same rounded
-inputs, ``S`` the sum of absolute products behind the element and ``n`` how many products it sums.
+inputs, and E the first-order bound on the rounding error of the reference's computation in the case's
+precision, traced op by op (:mod:`memtrim.verify.magnitudes`): every step rounded to the storage dtype
+(``u``), every reduction of N terms accumulated in any order (``min(c*sqrt(N), N) * u_acc * S``),
+transcendental functions within their documented ulps, incoming errors carried through each op's
+derivative. A correct rewrite that stores no more roundings than the reference's op-by-op form errs by
+at most E; so does the oracle itself in float64, which is what the ``(1 + r)`` covers, with
+``r = u_fp64 / min(u, u_acc)`` (1 for fp64 cases, whose original *is* the oracle; below 2**-29 otherwise).
 
-* ``k`` (:data:`K_FACTORS`): 2 for outputs, 3 for gradients — the multiples FlashAttention's tests allow
-  over a plain PyTorch implementation's error.
-* ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make.
-* ``u_acc``: unit roundoff of what reductions accumulate in (:func:`rounding_for`).
+* ``k`` (:data:`K_FACTORS`): 2 for outputs and inputs updated in place, 3 for gradients — the multiples
+  FlashAttention's tests allow over a plain PyTorch implementation's error.
+* ``u_out``: unit roundoff of the output's dtype — the one final rounding any implementation must make;
+  ``eta_out`` the absolute error of that rounding into the subnormals (:attr:`Rounding.eta`).
+* ``u`` and ``u_acc``: the storage and accumulator unit roundoffs of the case (:func:`rounding_for`).
 * ``c`` (:data:`C_REORDER`): see below.
 
 Why ``c = 10``. A legitimate rewrite may sum the same products in another order (a GEMM's blocked order
@@ -19,11 +27,16 @@ bound ``gamma_n * S`` with ``gamma_n = n*u/(1-n*u)``; that bound is rigorous but
 Mary's probabilistic analysis (SIAM J. Sci. Comput. 41(5), 2019, Thm. 3.1) shows that, modelling rounding
 errors as independent and mean-zero, an inner product of length ``n`` in any order has error at most
 ``lambda * sqrt(n) * u * S`` with probability at least ``1 - 2n * exp(-lambda**2 / 2)``. With ``lambda = 10``
-that failure probability is below ``4e-22 * n`` per element: a correct rewrite is never failed by chance,
-even over billions of elements. ``c = 10`` is also tight enough to matter: a rewrite that accumulates fp16 in
-fp16 errs by about ``sqrt(n) * 2**-11 * S``, 800 times the fp32 allowance. Below ``n = c**2`` the
-rigorous bound ``gamma_n`` is the smaller one and is used instead, so the allowance never exceeds what
-any summation order can reach.
+that failure probability is below ``4e-22 * n`` per element. Below ``n = c**2`` the worst case ``gamma_n``
+is the smaller one and is used instead, so the allowance never exceeds what any summation order can reach.
+``c = 10`` is still tight enough to matter: a rewrite that accumulates fp16 in fp16 rounds every partial
+sum to fp16 and falls outside it.
+
+>>> r = rounding_for(torch.bfloat16)
+>>> r.u == 2.0**-8, r.u_acc == 2.0**-24, r.why
+(True, True, 'fp32 accumulate')
+>>> gamma(1000, 2.0**-24) < C_REORDER * 1000**0.5 * 2.0**-24
+False
 """
 
 from __future__ import annotations
@@ -34,38 +47,51 @@ from dataclasses import dataclass
 
 import torch
 
+from memtrim.registry import Registry
+from memtrim.trace import dtype_name
+
 C_REORDER = 10.0
 """``c`` in the reordering allowance ``c * sqrt(n) * u_acc * S``; justified in the module docstring."""
 
-K_FACTORS: dict[str, float] = {"output": 2.0, "grad": 3.0, "grad2": 3.0}
-"""``k`` per quantity: outputs, first and second derivatives."""
+K_FACTORS: Registry[str, float] = Registry("k factor", "memtrim.verify.budget.K_FACTORS.add(kind, k)")
+"""``k`` per kind of quantity: outputs, first and second derivatives, inputs updated in place."""
+K_FACTORS.add("output", 2.0)
+K_FACTORS.add("grad", 3.0)
+K_FACTORS.add("grad2", 3.0)
+K_FACTORS.add("update", 2.0)
 
 
 @dataclass(frozen=True)
 class Rounding:
-    """How a computation in ``dtype`` rounds: its own unit roundoff and that of its accumulator."""
+    """How a computation in ``dtype`` rounds: its own unit roundoff and that of its accumulator.
+
+    ``eta`` is the absolute error of rounding into the subnormal range (half the smallest subnormal):
+    the standard model with gradual underflow is ``fl(x) = x * (1 + d) + e`` with ``|d| <= u`` and
+    ``|e| <= eta`` (Higham, *Accuracy and Stability*, section 2.1). It matters in fp16, whose subnormals
+    start at 2**-14: a softmax over long rows stores many of its outputs there.
+    """
 
     dtype: torch.dtype
     u: float
     acc_dtype: torch.dtype
     u_acc: float
     why: str
+    eta: float = 0.0
 
 
 RoundingRule = Callable[[torch.dtype], Rounding]
-ROUNDING_REGISTRY: dict[tuple[torch.dtype, bool], RoundingRule] = {}
+ROUNDING_REGISTRY: Registry[tuple[torch.dtype, bool], RoundingRule] = Registry(
+    "rounding rule", "memtrim.verify.register_rounding(dtype, autocast=...)"
+)
 """``(dtype, under_autocast) -> rule``. Register more with :func:`register_rounding`."""
 
 
 def register_rounding(*dtypes: torch.dtype, autocast: bool = False) -> Callable[[RoundingRule], RoundingRule]:
-    """Decorator: ``rule`` gives the :class:`Rounding` of computations in each of ``dtypes``."""
+    """Decorator: ``rule`` gives the :class:`Rounding` of computations in each of ``dtypes``.
 
-    def wrap(rule: RoundingRule) -> RoundingRule:
-        for dtype in dtypes:
-            ROUNDING_REGISTRY[(dtype, autocast)] = rule
-        return rule
-
-    return wrap
+    A dtype registered twice is refused (:class:`memtrim.registry.DuplicateRegistration`).
+    """
+    return ROUNDING_REGISTRY.register(*((dtype, autocast) for dtype in dtypes))
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -73,25 +99,50 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2.0
 
 
+def underflow(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of ``dtype``: the absolute error of rounding into its subnormals.
+
+    >>> underflow(torch.float16) == 2.0**-25, underflow(torch.bfloat16) == 2.0**-134
+    (True, True)
+    """
+    info = torch.finfo(dtype)
+    return float(info.smallest_normal) * float(info.eps) / 2.0
+
+
 @register_rounding(torch.float16, torch.bfloat16)
 def _half(dtype: torch.dtype) -> Rounding:
     # CPU kernels and GPU tensor cores accumulate half-precision reductions in fp32 (PyTorch's opmath).
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float32,
+        unit_roundoff(torch.float32),
+        "fp32 accumulate",
+        underflow(dtype),
     )
 
 
 @register_rounding(torch.float32)
 def _single(dtype: torch.dtype) -> Rounding:
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float32, unit_roundoff(torch.float32), "fp32 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float32,
+        unit_roundoff(torch.float32),
+        "fp32 accumulate",
+        underflow(dtype),
     )
 
 
 @register_rounding(torch.float64)
 def _double(dtype: torch.dtype) -> Rounding:
     return Rounding(
-        dtype, unit_roundoff(dtype), torch.float64, unit_roundoff(torch.float64), "fp64 accumulate"
+        dtype,
+        unit_roundoff(dtype),
+        torch.float64,
+        unit_roundoff(torch.float64),
+        "fp64 accumulate",
+        underflow(dtype),
     )
 
 
@@ -101,11 +152,7 @@ def _autocast_half(dtype: torch.dtype) -> Rounding:
     # Those input roundings perturb each product by at most 2u, which the reordering term with
     # u_acc = u(dtype) covers (c * sqrt(n) >= 2), so the budget uses the low dtype's unit roundoff.
     u = unit_roundoff(dtype)
-    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {_name(dtype)}")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return Rounding(dtype, u, dtype, u, f"autocast: inputs rounded to {dtype_name(dtype)}", underflow(dtype))
 
 
 class NoRoundingRule(LookupError):
@@ -117,9 +164,9 @@ def rounding_for(dtype: torch.dtype, *, autocast: bool = False) -> Rounding:
     rule = ROUNDING_REGISTRY.get((dtype, autocast))
     if rule is None:
         raise NoRoundingRule(
-            f"no rounding rule is registered for {_name(dtype)}{' under autocast' if autocast else ''}; "
+            f"no rounding rule is registered for {dtype_name(dtype)}{' under autocast' if autocast else ''}; "
             "judge it with mode='exact' or register one with "
-            "memtrim.verify.tolerances.register_rounding"
+            "memtrim.verify.register_rounding"
         )
     return rule(dtype)
 
@@ -139,19 +186,29 @@ def reorder_factor(n: torch.Tensor, u_acc: float, c: float = C_REORDER) -> torch
     return torch.minimum(probabilistic, worst)
 
 
+def oracle_share(r: Rounding) -> float:
+    """``r`` in the budget: the oracle's own float64 error relative to a bound in the case's precision."""
+    return unit_roundoff(torch.float64) / min(r.u, r.u_acc)
+
+
 def elementwise_budget(
     orig_err: torch.Tensor,
     oracle: torch.Tensor,
-    s: torch.Tensor,
-    n: torch.Tensor,
+    e: torch.Tensor,
     *,
     k: float,
     u_out: float,
-    u_acc: float,
-    c: float = C_REORDER,
+    oracle_share: float,
+    eta_out: float = 0.0,
 ) -> torch.Tensor:
-    """The per-element budget (float64) of the rule in the module docstring."""
-    return k * orig_err + u_out * oracle.abs() + reorder_factor(n, u_acc, c) * s
+    """The per-element budget (float64) of the rule in the module docstring.
+
+    >>> one = torch.ones(1, dtype=torch.float64)
+    >>> elementwise_budget(0 * one, one, 2**-52 * one, k=2, u_out=2**-53, oracle_share=1.0) * 2**53
+    tensor([6.], dtype=torch.float64)
+    """
+    final = oracle.abs().mul_(u_out).add_(eta_out)  # the final rounding, into subnormals too
+    return final.add_(e).mul_(1.0 + oracle_share).add_(orig_err, alpha=k)
 
 
 def tensorwise_budget(orig_err: torch.Tensor, oracle: torch.Tensor, *, k: float, u_out: float) -> float:
@@ -189,7 +246,7 @@ def assert_close_verdict(
     Computed from ``err = |actual - expected|`` (float64) as ``isclose`` does, ``same`` marking
     elements that are identical (so infinities and NaNs in the same places count as close).
     """
-    close = (err <= atol + rtol * expected.abs()) | same
+    close = (err <= expected.abs().mul_(rtol).add_(atol)) | same
     bad = int((~close).sum())
     if bad == 0:
         return True, ""

@@ -1,0 +1,13 @@
+"""The diagnosis rules, one small function each, registered on
+:data:`memtrim.analysis.diagnoses.DIAGNOSES` when this package is imported:
+
+- ``logits-cross-entropy``, ``upcast-copy`` (:mod:`.loss`)
+- ``kept-output``, ``cache-in-training`` (:mod:`.kept`)
+- ``broadcast-then-reduce``, ``out-of-place-chain`` (:mod:`.elementwise`)
+- ``checkpoint-candidates`` (:mod:`.checkpoint`)
+- ``optimizer-step`` (:mod:`.optimizer`)
+"""
+
+from memtrim.analysis.rules import checkpoint, elementwise, kept, loss, optimizer
+
+__all__ = ["checkpoint", "elementwise", "kept", "loss", "optimizer"]

@@ -1,0 +1,241 @@
+"""Activation checkpointing: repeated blocks (``transformer.h.0``, ``transformer.h.1``, ...) whose
+saved activations fill the peak (``checkpoint-candidates``).
+
+The what-if checkpoints every block of the group: what each block saved for backward and only it reads
+is freed after its last forward read; when backward reaches the block, its forward runs again (one
+block's recompute transient: the most its own allocations held at once in forward) and the saved
+activations come back, to be freed as backward consumed them before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
+from memtrim.analysis.rules.common import attribute_path, numel
+from memtrim.analysis.whatif import Added, Edits
+from memtrim.trace.model import Allocation, Phase, Site
+from memtrim.units import format_bytes
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
+    from memtrim.analysis.flow import Flow
+
+DOMINATES = 0.25
+"""A group is a candidate when the activations its blocks alone saved are this share of the peak."""
+_INDEXED = re.compile(r"^(?P<container>.+)\.(?P<index>\d+)$")
+
+
+@dataclass
+class _Block:
+    """One module instance (``transformer.h.3``) and what its forward runs made."""
+
+    path: str
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    """(first op, last op) of each stretch of forward ops inside it."""
+    backward: list[int] = field(default_factory=list)
+    """The backward ops run for its nodes, ascending."""
+
+
+def _instance(module: str) -> tuple[str, str] | None:
+    """(container path, instance path) of the innermost indexed module on ``module``'s path."""
+    parts = module.split(".")
+    for end in range(len(parts), 1, -1):
+        if parts[end - 1].isdigit():
+            instance = ".".join(parts[:end])
+            match = _INDEXED.match(instance)
+            if match:
+                return match["container"], instance
+    return None
+
+
+def _outermost_instance(
+    module: str | None, known: dict[str, tuple[str, str] | None]
+) -> tuple[str, str] | None:
+    """(container, block) of the outermost indexed module on the path: a block, not a layer in it."""
+    if module is None:
+        return None
+    if module in known:
+        return known[module]
+    found = _instance(module)
+    while found is not None:
+        outer = _instance(found[0])
+        if outer is None:
+            break
+        found = outer
+    known[module] = found
+    return found
+
+
+def _groups(flow: Flow) -> dict[str, dict[str, _Block]]:
+    """Indexed blocks by container, with their forward runs and the backward ops run for them (a
+    backward op carries the module of the forward op that made its node), from the module paths."""
+    groups: dict[str, dict[str, _Block]] = {}
+    known: dict[str, tuple[str, str] | None] = {}
+    current: _Block | None = None
+    for seq, row in enumerate(flow.ops):
+        phase = row.phase
+        found = _outermost_instance(row.module, known) if phase in (Phase.FORWARD, Phase.BACKWARD) else None
+        if found is None:
+            current = None
+            continue
+        container, instance = found
+        members = groups.get(container)
+        if members is None:
+            members = groups[container] = {}
+        block = members.get(instance)
+        if block is None:
+            block = members[instance] = _Block(instance)
+        if phase is Phase.BACKWARD:
+            block.backward.append(seq)
+            current = None
+            continue
+        if current is block:
+            block.runs[-1] = (block.runs[-1][0], seq)
+        else:
+            block.runs.append((seq, seq))
+            current = block
+    return groups
+
+
+def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
+    """FLOPs of a matmul-family op (torch.utils.flop_counter's formulas), from its recorded output
+    shape and its operands' storage sizes: the contraction length is the smallest one the operands
+    allow (a slice's storage is larger than the slice)."""
+    row = flow.ops[seq]
+    name = flow.names[seq]
+    outs = flow.outputs[seq]
+    if name not in ("mm", "addmm", "bmm", "baddbmm") or len(outs) != 1:
+        return 0
+    out = allocations[outs[0]].shape
+    if len(out) not in (2, 3):
+        return 0
+    batch = out[0] if len(out) == 3 else 1
+    m, n = out[-2], out[-1]
+    operands = [allocations[i] for i in row.inputs if numel(allocations[i]) not in (n, m * n * batch)]
+    lengths = []
+    for a, rows in zip(operands[-2:], (batch * m, batch * n), strict=False):
+        if rows and numel(a) % rows == 0:
+            lengths.append(numel(a) // rows)
+    if not lengths:
+        return 0
+    k = min(lengths)
+    try:
+        import torch
+        from torch.utils.flop_counter import flop_registry
+
+        packet = getattr(torch.ops.aten, name)
+        if name == "mm":
+            return int(flop_registry[packet]((m, k), (k, n)))
+        if name == "addmm":
+            return int(flop_registry[packet]((m, n), (m, k), (k, n)))
+        if name == "bmm":
+            return int(flop_registry[packet]((batch, m, k), (batch, k, n)))
+        return int(flop_registry[packet]((batch, m, n), (batch, m, k), (batch, k, n)))
+    except (ImportError, KeyError, AttributeError):
+        return 2 * batch * m * n * k
+
+
+def _recompute_peak(analysis: Analysis, made: list[int], first: int, last: int) -> int:
+    """The most a block's own allocations held at once during its forward run (ops first..last)."""
+    ops, allocations = analysis.flow.ops, analysis.allocations
+    end = ops[last].tick
+    events = []
+    for ident in made:
+        a = allocations[ident]
+        events.append((a.alloc_tick, a.bytes))
+        if a.free_tick is not None and a.free_tick <= end + 0.5:
+            events.append((a.free_tick, -a.bytes))
+    live = best = 0
+    for _, delta in sorted(events):
+        live += delta
+        best = max(best, live)
+    return best
+
+
+@DIAGNOSES.register("checkpoint-candidates")
+def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
+    """Repeated indexed blocks whose own saved activations are a large share of the peak ->
+    ``memtrim.fixes.checkpoint_modules(model, ["<container>.*"])`` (``torch.utils.checkpoint``
+    around each block)."""
+    flow, allocations, ops = analysis.flow, analysis.allocations, analysis.flow.ops
+    results = []
+    alive = analysis.alive_ids_at_peak
+    for container, blocks in _groups(flow).items():
+        pattern_base = attribute_path(container + ".0")
+        if len(blocks) < 2 or pattern_base is None:
+            continue
+        free_at: dict[int, float | None] = {}
+        added: list[Added] = []
+        changed: list[Allocation] = []
+        at_peak = flops = 0
+        transients: list[int] = []
+        for block in blocks.values():
+            for first, last in block.runs:
+                # the first backward op of the block after this run: where its recompute happens
+                after = bisect.bisect_right(block.backward, last)
+                if after == len(block.backward):
+                    continue
+                start = block.backward[after]
+                run_made = [i for s in range(first, last + 1) for i in flow.outputs[s]]
+                internal = []
+                for ident in run_made:
+                    a = allocations[ident]
+                    if not a.saved or a.free_tick is None or a.free_tick < ops[start].tick:
+                        continue
+                    forward_reads = [r for r in flow.readers[ident] if ops[r].phase is Phase.FORWARD]
+                    if any(not (first <= r <= last) for r in forward_reads):
+                        continue  # read by what follows the block (its output): kept, as checkpoint keeps it
+                    internal.append(a)
+                if not internal:
+                    continue
+                peak_run = _recompute_peak(analysis, run_made, first, last)
+                transients.append(peak_run)
+                saved_bytes = sum(a.bytes for a in internal)
+                t = ops[start].tick
+                added.append(Added(max(0, peak_run - saved_bytes), t - 0.6, t - 0.4))
+                for a in internal:
+                    reads = [r for r in flow.readers[a.id] if first <= r <= last]
+                    free_at[a.id] = (ops[reads[-1]].tick if reads else a.alloc_tick) + 0.5
+                    added.append(Added(a.bytes, t - 0.6, a.free_tick))
+                    changed.append(a)
+                    if a.id in alive:
+                        at_peak += a.bytes
+                flops += sum(_matmul_flops(flow, allocations, s) for s in range(first, last + 1))
+        if not changed or at_peak < DOMINATES * analysis.peak.bytes:
+            continue
+        pattern = f"{pattern_base.rsplit('.', 1)[0]}.*"
+        site: Site | None = changed[0].site
+        diagnosis = finding(
+            analysis,
+            rule="checkpoint-candidates",
+            site=site,
+            problem=(
+                f"activations saved inside the {len(blocks)} {container.split('.', 1)[-1]}.* blocks are "
+                f"{format_bytes(at_peak)} of the peak"
+            ),
+            fix=f'memtrim.fixes.checkpoint_modules(model, ["{pattern}"]) (torch.utils.checkpoint.checkpoint('
+            "block, x, use_reentrant=False) around each block's forward)",
+            allocations=tuple(changed),
+            edits=Edits(free_at=free_at, add=tuple(added)),
+            safe_because=(
+                "only activations a block saved and only that block reads are dropped; block outputs stay",
+                "checkpoint re-runs the same ops in the same order, with the RNG state replayed: results and "
+                "gradients bit for bit equal; prove it with memtrim.verify(..., mode='exact')",
+            ),
+            verify_mode="exact",
+            module=container,
+            cost=(
+                f"recompute: {flops / 1e9:.3g} GFLOP of matmuls (one more forward of every block)"
+                if flops
+                else "recompute: one more forward of every block"
+            ),
+            note=f"the what-if adds one block's recompute transient ({format_bytes(max(transients))} at "
+            "most) when backward reaches it",
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results

@@ -1,0 +1,297 @@
+"""Elementwise waste: a broadcast product that a reduction shrinks (``broadcast-then-reduce``), and
+chains of out-of-place results that could be one buffer updated in place (``out-of-place-chain``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
+from memtrim.analysis.rules.common import (
+    base_name,
+    dims,
+    is_float,
+    is_view_like,
+    lines_text,
+    numel,
+    where,
+    writes_in_place,
+)
+from memtrim.analysis.whatif import Edits
+from memtrim.trace.model import Allocation, Phase, Site
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
+
+BROADCAST_FACTOR = 4
+"""A product at least this many times larger than each operand's storage is a real broadcast, and a
+reduction at least this many times smaller than it shrinks it."""
+_REDUCTIONS = {"sum": "sum", "mean": "mean"}
+
+
+# -- broadcast-then-reduce ---------------------------------------------------------------------------
+def _embeddings(small: Sequence[int], large: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every order-preserving placement of ``small``'s dims among ``large``'s with equal sizes (stops
+    counting at two: only a unique placement is used)."""
+    found: list[tuple[int, ...]] = []
+
+    def place(i: int, start: int, chosen: tuple[int, ...]) -> None:
+        if len(found) > 1:
+            return
+        if i == len(small):
+            found.append(chosen)
+            return
+        for j in range(start, len(large) - (len(small) - i) + 1):
+            if large[j] == small[i]:
+                place(i + 1, j + 1, (*chosen, j))
+
+    place(0, 0, ())
+    return found
+
+
+def einsum_equation(
+    operands: Sequence[Sequence[int]], product: Sequence[int], reduced: Sequence[int]
+) -> tuple[str, tuple[int, ...]] | None:
+    """The einsum equation that computes ``reduced`` from ``operands`` without the broadcast
+    ``product``, and the product's dims it sums over, from the recorded shapes; None unless every
+    operand fits the product in exactly one way and the reduction removes dims in exactly one way.
+
+    >>> einsum_equation([(64, 12, 64), (12, 64, 768)], (64, 12, 64, 768), (64, 12, 768))
+    ('abc,bcd->abd', (2,))
+    """
+    if 1 in product or any(1 in shape for shape in operands) or len(product) > 26:
+        return None
+    placements = []
+    for shape in operands:
+        options = _embeddings(shape, product)
+        if len(options) != 1:
+            return None
+        placements.append(options[0])
+    if set(range(len(product))) != {d for p in placements for d in p}:
+        return None
+    kept = _embeddings(reduced, product)
+    if len(kept) != 1 or len(reduced) >= len(product):
+        return None
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    inputs = ",".join("".join(letters[d] for d in p) for p in placements)
+    output = "".join(letters[d] for d in kept[0])
+    summed = tuple(d for d in range(len(product)) if d not in kept[0])
+    return f"{inputs}->{output}", summed
+
+
+def _broadcast_products(analysis: Analysis) -> dict[Site | None, list[tuple[Allocation, Allocation, int]]]:
+    """(product, reduced result, reduction op) by line, for every product the trace shows reduced."""
+    flow, allocations = analysis.flow, analysis.allocations
+    found: dict[Site | None, list[tuple[Allocation, Allocation, int]]] = {}
+    for seq, row in enumerate(flow.ops):
+        made = flow.outputs[seq]
+        if len(made) != 1 or flow.names[seq] != "mul" or len(row.inputs) < 2:
+            continue
+        product = allocations[made[0]]
+        if product.saved or not is_float(product):
+            continue
+        size = numel(product)
+        if any(numel(allocations[i]) * BROADCAST_FACTOR > size for i in row.inputs):
+            continue  # not a broadcast: (x.exp() * 2), x * y of one shape
+        consumers = [r for r in flow.readers[product.id] if not is_view_like(flow.ops[r], flow.outputs[r])]
+        if len(consumers) != 1 or flow.names[consumers[0]] not in _REDUCTIONS:
+            continue
+        outs = flow.outputs[consumers[0]]
+        if len(outs) != 1 or numel(allocations[outs[0]]) * BROADCAST_FACTOR > size:
+            continue
+        found.setdefault(product.site, []).append((product, allocations[outs[0]], consumers[0]))
+    return found
+
+
+@DIAGNOSES.register("broadcast-then-reduce")
+def broadcast_then_reduce(analysis: Analysis) -> list[Diagnosis]:
+    """A broadcast multiply (output larger than each operand) whose only reader is a sum or mean that
+    shrinks it: ``(z[..., None] * W).sum(-2)``, in any phase (``no_grad`` code and backward's products
+    of the same line included) -> ``torch.einsum`` with the equation from the recorded shapes."""
+    flow, allocations = analysis.flow, analysis.allocations
+    results = []
+    for site, found in _broadcast_products(analysis).items():
+        first = next((f for f in found if f[0].phase is not Phase.BACKWARD), found[0])
+        product, reduced, reduction = first
+        operands = [allocations[i] for i in flow.inputs_of(product)]
+        reduce_op = flow.names[reduction]
+        eq = einsum_equation([o.shape for o in operands], product.shape, reduced.shape)
+        names = ", ".join("xyzuvw"[i] if i < 6 else f"t{i}" for i in range(len(operands)))
+        shapes = ", ".join(f"{n} {dims(o.shape)}" for n, o in zip(names.split(", "), operands, strict=True))
+        if eq is not None:
+            equation, summed = eq
+            scale = ""
+            if reduce_op == "mean":
+                count = 1
+                for d in summed:
+                    count *= product.shape[d]
+                scale = f".div_({count})"
+            fix = f"torch.einsum('{equation}', {names}){scale} for {shapes}"
+        else:
+            fix = f"a contraction over the reduced dims: torch.einsum or matmul of {shapes}"
+        blamed = tuple(p for p, _, _ in found)
+        diagnosis = finding(
+            analysis,
+            rule="broadcast-then-reduce",
+            site=site,
+            problem=(
+                f"{dims(product.shape)} {product.dtype} broadcast product, then {reduce_op} to "
+                f"{dims(reduced.shape)}: {numel(product) // max(1, numel(reduced))}x larger than its result"
+            ),
+            fix=fix,
+            allocations=blamed,
+            edits=Edits.removing(p.id for p in blamed),
+            safe_because=(
+                f"{product.op} at {where(site)} makes a product {BROADCAST_FACTOR}x or more larger than "
+                "each operand",
+                f"its only reader is {reduce_op} (views aside), which is {BROADCAST_FACTOR}x or more smaller",
+                "autograd saved no product: the contraction keeps only operands and result",
+                "the contraction sums in another order: prove it with memtrim.verify(..., mode='reference')",
+            ),
+            verify_mode="reference",
+            module=product.module,
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results
+
+
+# -- out-of-place-chain ------------------------------------------------------------------------------
+_UNARY = frozenset(
+    {
+        *("neg", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt"),
+        *("reciprocal", "sigmoid", "tanh", "relu", "abs", "sin", "cos", "erf", "square"),
+        *("clamp", "clamp_min", "clamp_max", "pow", "sign", "floor", "ceil", "round", "trunc"),
+    }
+)
+_COMMUTATIVE = frozenset({"add", "mul"})
+_ORDERED = frozenset({"sub", "div"})
+_ELEMENTWISE = _UNARY | _COMMUTATIVE | _ORDERED
+
+
+def _link_op(name: str, inputs: tuple[int, ...], source: int) -> bool:
+    """Could the op write its result into ``source`` instead (``source.<op>_(...)``), bit for bit?"""
+    if name in _UNARY:
+        return inputs[:1] == (source,)
+    if name in _COMMUTATIVE:
+        return source in inputs  # IEEE + and * commute: s * a == a.mul_(s)
+    if name in _ORDERED:
+        return inputs[:1] == (source,)  # a - s == a.sub_(s); s - a has no in-place form on a
+    return False
+
+
+def _line_in(site: Site | None, home: Site | None) -> str:
+    """``line 20`` in ``home``'s file, else ``other.py:20``."""
+    if site is not None and home is not None and site.file == home.file:
+        return f"line {site.line}"
+    return where(site)
+
+
+def _custom_backward(a: Allocation) -> bool:
+    """Made by the user's own ``autograd.Function.backward`` (its node is named after the Function,
+    ``ScaledDifferenceBackward``; built-in nodes end in a number, ``MulBackward0``), at its own line."""
+    return a.node is not None and not a.node[-1:].isdigit() and a.call_site is None
+
+
+def _scalar_operand(name: str, inputs: tuple[int, ...]) -> bool:
+    """A binary op handed one tensor: its other operand is a Python number."""
+    return name in (_COMMUTATIVE | _ORDERED) and len(inputs) == 1
+
+
+@DIAGNOSES.register("out-of-place-chain")
+def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
+    """Consecutive same-shape elementwise results, each the only thing its input is used for from then
+    on, none saved for backward, none from before the region (a leaf or an input), none read later
+    through a view — in a custom ``backward`` or in ordinary code -> one buffer updated in place, the
+    same ops in the same order (bit for bit). Optimizer internals are left to ``optimizer-step``."""
+    flow, allocations = analysis.flow, analysis.allocations
+    ops = flow.ops
+    following: dict[int, int] = {}  # allocation id -> the next result of its chain
+    taken: set[int] = set()  # results already the next of an earlier buffer (a * b of two chain ends)
+    for a in allocations:
+        if a.preexisting or a.saved or a.facts or a.free_tick is None or a.phase is Phase.OPTIMIZER:
+            continue
+        if a.phase is Phase.BACKWARD and not _custom_backward(a):
+            continue  # made by autograd for a built-in node: torch's code, not the user's
+        last = flow.last_read(a)
+        if last is None or ops[last].phase is not a.phase:
+            continue
+        row = ops[last]
+        name = flow.names[last]
+        made = flow.outputs[last]
+        if name not in _ELEMENTWISE or writes_in_place(row.op) or len(made) != 1 or made[0] in taken:
+            continue
+        result = allocations[made[0]]
+        if result.shape != a.shape or result.dtype != a.dtype or not _link_op(name, row.inputs, a.id):
+            continue
+        if a.phase is Phase.BACKWARD and (not _custom_backward(result) or result.node != a.node):
+            continue  # one custom backward's own buffers only
+        following[a.id] = result.id
+        taken.add(result.id)
+    heads = set(following) - set(following.values())
+    for head in list(heads):
+        made_by = flow.made_by(allocations[head])
+        if allocations[head].phase is Phase.FORWARD and (made_by is None or not made_by.inputs):
+            # a factory's result under grad mode may be a leaf that requires grad: start at the next
+            heads.discard(head)
+            heads.add(following.pop(head))
+    by_lines: dict[tuple[Site | None, ...], list[list[int]]] = {}
+    for head in sorted(heads):
+        chain = [head]
+        while chain[-1] in following:
+            chain.append(following[chain[-1]])
+        by_lines.setdefault(tuple(allocations[i].site for i in chain), []).append(chain)
+
+    results = []
+    for lines, chains in by_lines.items():
+        removed: list[Allocation] = []
+        free_at: dict[int, float | None] = {}
+        for chain in chains:
+            first, last_result = allocations[chain[0]], allocations[chain[-1]]
+            removed += [allocations[i] for i in chain[1:]]
+            ends = (first.free_tick, last_result.free_tick)
+            free_at[first.id] = None if None in ends else max(t for t in ends if t is not None)
+        example = chains[0]
+        first = allocations[example[0]]
+        steps = [ops[flow.producer[i]] for i in example[1:]]
+        names = [base_name(r.op) for r in steps]
+        rewrite = ", ".join(
+            f"{_line_in(r.site, first.site)} t.{n}_(...)" for r, n in zip(steps, names, strict=True)
+        )
+        scalars = [_scalar_operand(n, r.inputs) for r, n in zip(steps, names, strict=True)]
+        note = None
+        if any(a and b for a, b in itertools.pairwise(scalars)):
+            note = (
+                "keep consecutive scalar steps as separate in-place ops: folding two into one "
+                "(t.mul_(a / b) for t * a / b) changes bf16 and fp16 rounding"
+            )
+        where_text = f" in {first.node}.backward" if first.phase is Phase.BACKWARD and first.node else ""
+        diagnosis = finding(
+            analysis,
+            rule="out-of-place-chain",
+            site=first.site,
+            problem=(
+                f"{len(example)} {dims(first.shape)} {first.dtype} results made one from another"
+                f"{where_text} (lines {lines_text(lines)}), each input unused afterwards"
+            ),
+            fix=f"t = the {base_name(first.op)} at {where(first.site)}, then in place, in the same order: "
+            f"{rewrite}",
+            allocations=tuple(removed),
+            edits=Edits(remove=frozenset(a.id for a in removed), free_at=free_at),
+            safe_because=(
+                "each result's last reader is the next op of the chain, which is elementwise and keeps "
+                "its shape and dtype",
+                "no result before the last is saved for backward, from before the region, or read later "
+                "(through a view either)",
+                "the in-place ops are the same ops on the same operands in the same order (IEEE + and * "
+                "commute): bit for bit equal, prove it with memtrim.verify(..., mode='exact')",
+            ),
+            verify_mode="exact",
+            module=first.module,
+            sites=lines,
+            note=note,
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results

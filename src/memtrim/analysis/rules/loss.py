@@ -1,0 +1,369 @@
+"""The loss of a language model: full ``[tokens, vocab]`` logits feeding a cross-entropy
+(``logits-cross-entropy``), and widening copies whose downstream buffers are all wide because of them
+(``upcast-copy``: ``logits.float()`` before the loss, an fp32 norm of bf16 activations)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
+from memtrim.analysis.rules.common import (
+    HALF,
+    ITEMSIZE,
+    base_name,
+    describe,
+    dims,
+    is_float,
+    is_view_like,
+    module_expression,
+    numel,
+    where,
+)
+from memtrim.analysis.whatif import Added, Edits
+from memtrim.trace.model import Allocation, OpRow, Phase, Site
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
+    from memtrim.analysis.flow import Flow
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
+_COPIES = frozenset({"_to_copy", "clone", "contiguous", "to", "_unsafe_view"})
+_NLL = frozenset({"nll_loss_forward", "nll_loss2d_forward", "nll_loss_nd", "nll_loss"})
+_LOG_SOFTMAX = frozenset({"_log_softmax", "log_softmax"})
+VOCAB_FACTOR = 4
+"""Logits at least this many times wider than the hidden states are worth never materialising."""
+
+# memtrim.fixes.chunked_linear_cross_entropy's chunk_size=None, so the fix text and the what-if agree
+# with what the prescription does by default (analysis may not import fixes: the rule is restated).
+TILE_FRACTION = 8
+MIN_TILE_BYTES = 8 * 2**20
+CHUNK_MULTIPLE = 8
+
+
+def bytes_per_logit(dtype: str) -> int:
+    """Tile bytes per logit: fp32 softmax arithmetic, plus the half-precision copy the matmuls use."""
+    size = ITEMSIZE.get(dtype, 4)
+    return 4 + size if dtype in HALF else size
+
+
+def chunk_size(tokens: int, vocab: int, hidden: int, dtype: str) -> int:
+    """Tokens per tile: the largest multiple of 8 whose ``[chunk, vocab]`` tile fits within
+    ``max(weight bytes / 8, 8 MiB)`` (at least 8, at most ``tokens``)."""
+    if tokens <= 0:
+        return 1
+    budget = max(vocab * hidden * ITEMSIZE.get(dtype, 4) // TILE_FRACTION, MIN_TILE_BYTES)
+    rows = budget // max(vocab * bytes_per_logit(dtype), 1)
+    return int(min(max(CHUNK_MULTIPLE, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE), tokens))
+
+
+def _source_through_copies(flow: Flow, allocations: list[Allocation], x: Allocation) -> list[Allocation]:
+    """``x``, then what it was copied from (an upcast, a ``.contiguous()``), back to the first buffer of
+    the same element count that no copy made."""
+    chain = [x]
+    while True:
+        row = flow.made_by(chain[-1])
+        if row is None or base_name(row.op) not in _COPIES or len(row.inputs) != 1:
+            return chain
+        source = allocations[row.inputs[0]]
+        if source.preexisting or numel(source) != numel(chain[-1]):
+            return chain
+        chain.append(source)
+
+
+def _only_read_by(flow: Flow, a: Allocation, allowed: set[int]) -> bool:
+    """Every op that read ``a`` is a view or one of ``allowed``."""
+    return all(seq in allowed or is_view_like(flow.ops[seq], flow.outputs[seq]) for seq in flow.readers[a.id])
+
+
+def _grads_in_backward(flow: Flow, allocations: list[Allocation], saved: Allocation, size: int) -> list[int]:
+    """Backward buffers of ``size`` elements computed from ``saved`` (the saved log-softmax), then from
+    those: the gradients of the logits, until an op makes something of another size (the matmul's)."""
+    found: list[int] = []
+    frontier = deque([saved.id])
+    seen = {saved.id}
+    while frontier:
+        ident = frontier.popleft()
+        for seq in flow.readers[ident]:
+            if flow.ops[seq].phase is not Phase.BACKWARD:
+                continue
+            for out in flow.outputs[seq]:
+                if out not in seen and numel(allocations[out]) == size:
+                    seen.add(out)
+                    found.append(out)
+                    frontier.append(out)
+    return found
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """One cross-entropy on full logits, as the trace shows it."""
+
+    chain: list[Allocation]
+    """What log-softmax read, back through its copies to the matmul's logits (last)."""
+    log_probs: Allocation
+    backward: list[Allocation]
+    """The logits-sized gradients backward made from the saved log-softmax."""
+    nll: OpRow
+    matmul: OpRow
+    weight: Allocation
+    hidden: Allocation
+
+    @property
+    def logits(self) -> Allocation:
+        return self.chain[-1]
+
+    @property
+    def vocab(self) -> int:
+        return self.log_probs.shape[-1]
+
+    @property
+    def tokens(self) -> int:
+        return numel(self.log_probs) // self.vocab
+
+    @property
+    def width(self) -> int:
+        return numel(self.weight) // self.vocab
+
+
+def _losses(analysis: Analysis) -> dict[tuple[Site | None, Site | None], list[_Loss]]:
+    """Every forward log-softmax a nll_loss reads, whose input is (a copy of) a matmul's output with
+    a ``[vocab, width]`` weight, ``vocab >= 4 * width``, read by nothing but the loss; by lines."""
+    flow, allocations = analysis.flow, analysis.allocations
+    ops = flow.ops
+    found: dict[tuple[Site | None, Site | None], list[_Loss]] = {}
+    for seq, row in enumerate(ops):
+        if flow.names[seq] not in _LOG_SOFTMAX or row.phase is not Phase.FORWARD or not row.inputs:
+            continue
+        made = flow.outputs[seq]
+        if len(made) != 1 or len(allocations[made[0]].shape) < 2:
+            continue
+        log_probs = allocations[made[0]]
+        nll = [r for r in flow.readers[log_probs.id] if flow.names[r] in _NLL]
+        chain = _source_through_copies(flow, allocations, allocations[row.inputs[0]])
+        matmul = flow.made_by(chain[-1])
+        if not nll or matmul is None or base_name(matmul.op) not in _MATMULS:
+            continue
+        vocab = log_probs.shape[-1]
+        operands = [allocations[i] for i in matmul.inputs]
+        weights = [a for a in operands if len(a.shape) == 2 and vocab in a.shape]
+        hidden = [a for a in operands if a not in weights and a.shape != (vocab,)]  # not the bias
+        if len(weights) != 1 or len(hidden) != 1 or vocab < VOCAB_FACTOR * numel(weights[0]) // vocab:
+            continue
+        copy_ops = {flow.producer[c.id] for c in chain[:-1]}
+        if not all(_only_read_by(flow, c, copy_ops | {seq}) for c in chain):
+            continue  # the logits are used for something besides the loss: they must exist
+        backward = [
+            allocations[i] for i in _grads_in_backward(flow, allocations, log_probs, numel(log_probs))
+        ]
+        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], hidden[0])
+        found.setdefault((log_probs.site, chain[-1].site), []).append(loss)
+    return found
+
+
+def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], Edits]:
+    """The what-if of the chunked loss: no ``[tokens, vocab]`` buffer at all; one tile from the
+    logits' matmul to the nll_loss, one during backward's gradients of them, the log-sum-exp per token
+    between the two, and for fp16/bf16 the fp32 weight gradient during backward."""
+    removed: list[Allocation] = []
+    added: list[Added] = []
+    for loss in losses:
+        removed += [*loss.chain, loss.log_probs, *loss.backward]
+        tile = chunk * loss.vocab * bytes_per_logit(loss.logits.dtype)
+        start = loss.logits.alloc_tick
+        added.append(Added(tile, start, loss.nll.tick + 0.5))
+        if not loss.backward:
+            continue
+        begin = min(g.alloc_tick for g in loss.backward) - 0.5
+        ends = [g.free_tick for g in loss.backward if g.free_tick is not None]
+        end = max(ends) if len(ends) == len(loss.backward) else None
+        added.append(Added(tile, begin, end))
+        added.append(Added(loss.tokens * 4, start, end))
+        if loss.logits.dtype in HALF:
+            added.append(Added(4 * numel(loss.weight), begin, end))
+    return removed, Edits(remove=frozenset(a.id for a in removed), add=tuple(added))
+
+
+@DIAGNOSES.register("logits-cross-entropy")
+def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
+    """``[tokens, vocab]`` logits from a matmul (the lm_head), read only by a log-softmax that a
+    ``nll_loss`` reads (``F.cross_entropy``), with or without an upcast copy between -> a chunked
+    linear + cross-entropy that never holds the logits (``memtrim.fixes.chunked_linear_cross_entropy``)."""
+    results = []
+    for losses in _losses(analysis).values():
+        first = losses[0]
+        tokens, vocab, width = first.tokens, first.vocab, first.width
+        chunk = chunk_size(tokens, vocab, width, first.logits.dtype)
+        removed, edits = _chunked_edits(losses, chunk)
+        weight = module_expression(first.logits.module, "weight") or f"the {dims(first.weight.shape)} weight"
+        bias = (
+            ", bias=<the layer's bias>"
+            if base_name(first.matmul.op) in ("addmm", "baddbmm", "linear")
+            else ""
+        )
+        upcast = " and its upcast" if len(first.chain) > 1 else ""
+        buffers = len(first.chain) + 1 + len(first.backward)
+        diagnosis = finding(
+            analysis,
+            rule="logits-cross-entropy",
+            site=first.log_probs.site,
+            problem=(
+                f"{dims((tokens, vocab))} {first.logits.dtype} logits{upcast} feed cross_entropy: "
+                f"{buffers} buffers of {tokens}x{vocab} live for the loss"
+            ),
+            fix=(
+                f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}, "
+                f"chunk_size={chunk}), hidden the [{tokens}, {width}] input of {where(first.logits.site)}, "
+                f"target the [{tokens}] labels"
+            ),
+            allocations=tuple(removed),
+            edits=edits,
+            safe_because=(
+                f"the logits come from {first.matmul.op} of a [{tokens}, {width}] input and a "
+                f"{dims(first.weight.shape)} weight at {where(first.logits.site)}",
+                "nothing reads them but the loss (a log_softmax read by nll_loss), its copies and views",
+                "the chunked loss computes the same log-softmax per chunk (fp32 for fp16/bf16) and "
+                "recomputes each chunk's logits in backward: prove it with memtrim.verify(..., "
+                "mode='reference')",
+            ),
+            verify_mode="reference",
+            module=first.log_probs.module,
+            sites=(first.logits.site,),
+            cost=f"one more [{tokens}, {width}] x [{width}, {vocab}] matmul in backward (the logits, "
+            f"recomputed chunk by chunk): {2 * tokens * width * vocab / 1e9:.2g} GFLOP",
+            note=f"pass the ignore_index and reduction your loss uses; the what-if replaces the "
+            f"{tokens}x{vocab} buffers with one [{chunk}, {vocab}] tile in forward and one in backward",
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results
+
+
+# -- upcast-copy -------------------------------------------------------------------------------------
+def _wide_because_of(
+    flow: Flow, allocations: list[Allocation], upcast: Allocation
+) -> tuple[list[int], list[int]]:
+    """The buffers downstream of ``upcast`` that are wide only because it is (every other float input
+    of the op that made them is narrow or a scalar), and the copies back to the narrow dtype made from
+    them (which a narrow program would not need)."""
+    wide, narrow = upcast.dtype, None
+    source_row = flow.made_by(upcast)
+    if source_row is not None and source_row.inputs:
+        narrow = allocations[source_row.inputs[0]].dtype
+    downstream: list[int] = []
+    downcasts: list[int] = []
+    member = {upcast.id}
+    frontier = deque([upcast.id])
+    while frontier:
+        ident = frontier.popleft()
+        for seq in flow.readers[ident]:
+            row = flow.ops[seq]
+            outs = flow.outputs[seq]
+            if not outs:
+                continue
+            others = [
+                allocations[i]
+                for i in row.inputs
+                if i not in member and is_float(allocations[i]) and numel(allocations[i]) > 1
+            ]
+            if any(ITEMSIZE.get(o.dtype, 0) >= ITEMSIZE[wide] for o in others):
+                continue  # another wide operand: the result would be wide anyway
+            for out in outs:
+                a = allocations[out]
+                if out in member:
+                    continue
+                if a.dtype == wide:
+                    member.add(out)
+                    downstream.append(out)
+                    frontier.append(out)
+                elif a.dtype == narrow and flow.names[seq] == "_to_copy":
+                    member.add(out)
+                    downcasts.append(out)
+    return downstream, downcasts
+
+
+def _keep_until(free_at: dict[int, float | None], a: Allocation, until: int | None) -> None:
+    """In the what-if, ``a`` lives at least to ``until`` (None: to the end)."""
+    if a.free_tick is None:
+        return
+    if until is None or free_at.get(a.id, 0) is None:
+        free_at[a.id] = None
+    else:
+        free_at[a.id] = max(a.free_tick, until, free_at.get(a.id) or 0)
+
+
+@DIAGNOSES.register("upcast-copy")
+def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
+    """A widening copy (``x.float()`` of bf16, ``.double()``) of a whole buffer whose downstream results
+    are all wide because of it -> keep the narrow dtype where it is accurate enough, or upcast per
+    chunk. The what-if keeps the source alive instead of the copy, narrows every downstream buffer that
+    is wide because of the copy, and drops the copies back."""
+    flow, allocations = analysis.flow, analysis.allocations
+    groups: dict[Site | None, list[tuple[Allocation, Allocation, list[int], list[int]]]] = {}
+    for seq, row in enumerate(flow.ops):
+        if flow.names[seq] != "_to_copy" or len(row.inputs) != 1 or len(flow.outputs[seq]) != 1:
+            continue
+        up, source = allocations[flow.outputs[seq][0]], allocations[row.inputs[0]]
+        if not (is_float(up) and is_float(source)) or numel(up) != numel(source):
+            continue
+        if ITEMSIZE[up.dtype] > ITEMSIZE[source.dtype]:
+            downstream, downcasts = _wide_because_of(flow, allocations, up)
+            groups.setdefault(up.site, []).append((up, source, downstream, downcasts))
+
+    results = []
+    for site, occurrences in groups.items():
+        up, source, downstream, _ = occurrences[0]
+        narrow, wide = ITEMSIZE[source.dtype], ITEMSIZE[up.dtype]
+        remove: set[int] = set()
+        resize: dict[int, int] = {}
+        free_at: dict[int, float | None] = {}
+        blamed: list[Allocation] = []
+        for up_i, source_i, downstream_i, downcasts_i in occurrences:
+            remove.add(up_i.id)
+            blamed.append(up_i)
+            _keep_until(free_at, source_i, up_i.free_tick)  # what read the copy reads the source
+            for d in downstream_i:
+                resize[d] = allocations[d].bytes * narrow // wide
+                blamed.append(allocations[d])
+            for d in downcasts_i:  # what read the copy back reads the narrowed buffer it came from
+                remove.add(d)
+                blamed.append(allocations[d])
+                producer = flow.made_by(allocations[d])
+                if producer is not None and producer.inputs:
+                    _keep_until(free_at, allocations[producer.inputs[0]], allocations[d].free_tick)
+        for ident in remove:
+            free_at.pop(ident, None)
+        feeds_loss = any(flow.names[r] in _LOG_SOFTMAX for r in flow.readers[up.id])
+        hint = (
+            " (it feeds a cross-entropy: memtrim.fixes.chunked_linear_cross_entropy upcasts one chunk at "
+            "a time)"
+            if feeds_loss
+            else ""
+        )
+        diagnosis = finding(
+            analysis,
+            rule="upcast-copy",
+            site=site,
+            problem=(
+                f"{source.dtype} -> {up.dtype} copy of a {describe(source)} buffer; "
+                f"{len(downstream)} buffers after it are {up.dtype} only because of it"
+            ),
+            fix=f"stay in {source.dtype} from {where(site)} on if it is accurate enough, or upcast per "
+            f"chunk{hint}",
+            allocations=tuple(blamed),
+            edits=Edits(remove=frozenset(remove), resize=resize, free_at=free_at),
+            safe_because=(
+                f"{up.op} widens {source.dtype} to {up.dtype}, element for element",
+                "every float operand of the ops after it is narrow, a scalar, or itself widened by it",
+                f"results change (arithmetic in {source.dtype}): check with memtrim.verify(..., "
+                "mode='reference') that they are no less accurate than you need",
+            ),
+            verify_mode="reference",
+            module=up.module,
+            note=f"the what-if keeps the {source.dtype} source instead of the copy and "
+            f"{len(resize)} downstream buffers in {source.dtype}",
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results
