@@ -90,6 +90,25 @@ def measure(step: Callable[[], None]) -> dict[str, Any]:
     }
 
 
+def measure_settled(step: Callable[[], None], attempts: int = 5) -> dict[str, Any]:
+    """:func:`measure`, again (up to ``attempts`` steps, every rank as long as any rank needs it)
+    while memtrim and the profiler disagree. They do when gloo's worker thread drops a collective's
+    buffers after wait() returned: that free comes late, on a thread the profiler does not watch
+    (it never sees the free, or sees it at another point than the main thread's next op). A real
+    disagreement shows in every attempt."""
+    attempt = 0
+    while attempt < attempts:
+        attempt += 1
+        result = measure(step)
+        differs = result["memtrim_deltas"] != result["profiler_deltas"]
+        late = torch.tensor([int(differs)])
+        dist.all_reduce(late)  # the ranks agree, or one would wait for the other's next step forever
+        if not int(late):
+            break
+    result["attempts"] = attempt
+    return result
+
+
 def _roles(trace: Any) -> dict[str, int]:
     found: dict[str, int] = {}
     for a in trace.allocations:
@@ -98,27 +117,49 @@ def _roles(trace: Any) -> dict[str, int]:
     return found
 
 
-def fsdp_step(rank: int) -> dict[str, Any]:
+def fsdp_model(mesh: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The MLP with each layer and the root fully_shard'ed, and plain SGD: no ``.item()`` (Adam's step
+    count), so the same step runs under fake tensors, and no temporaries made inside DTensor's own
+    dispatch (SGD's momentum makes some), which torch.profiler cannot tell from a kernel's workspace."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Mlp()
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(x).sum().backward()  # FSDP_LINE
+    optimizer.step()
+
+
+def fsdp_step(rank: int) -> dict[str, Any]:
+    model, optimizer = fsdp_model()
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
-
-    def step() -> None:
-        model(x).sum().backward()  # FSDP_LINE
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()  # Adam's state, made once, exists before the measured step
-    result = measure(step)
+    train_step(model, optimizer, x)  # gradients exist before the measured step, as in every later one
+    result = measure_settled(lambda: train_step(model, optimizer, x))
     result["parameter_bytes"] = sum(nbytes(p) for p in Mlp().parameters())
     result["local_shard_bytes"] = sum(nbytes(p.to_local()) for p in model.parameters())  # type: ignore[attr-defined]
     return result
+
+
+def fake_fsdp_peak(world: int) -> Any:
+    """The same FSDP2 step in this process, at world size ``world`` of a fake process group and with
+    fake tensors: the trace of the second step (the first makes the optimizer's state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with memtrim.fake_world(world):
+        mesh = init_device_mesh("cpu", (world,))  # outside fake mode: it reads values
+        with memtrim.track(fake=True, steps=range(1, 2)) as trace:
+            model, optimizer = fsdp_model(mesh)
+            x = torch.randn(4, DIM)
+            for _ in range(2):
+                train_step(model, optimizer, x)
+    return trace
 
 
 def ddp_step(rank: int) -> dict[str, Any]:
@@ -135,7 +176,8 @@ def ddp_step(rank: int) -> dict[str, Any]:
         optimizer.zero_grad()
 
     step()  # DDP builds its buckets again in the second step's forward, in the order grads came
-    result = measure(step)
+    step()
+    result = measure_settled(step)
     result["parameter_bytes"] = sum(nbytes(p) for p in model.parameters())
     return result
 
@@ -175,3 +217,75 @@ def run(out: str, world: int = 2) -> list[dict[str, Any]]:
 
     mp.spawn(all_steps, args=(world, free_port(), out), nprocs=world, join=True)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+class _RmsNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Block(nn.Module):
+    """A Llama decoder layer: RMSNorm, causal attention (no rotary: it adds no parameters), RMSNorm,
+    SwiGLU MLP."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = _RmsNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.ffn_norm = _RmsNorm(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(batch, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attended.transpose(1, 2).reshape(batch, seq, dim))
+        h = self.ffn_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLlama(nn.Module):
+    """A Llama-style decoder in plain torch (no download): embedding, layers, norm, output head."""
+
+    def __init__(
+        self, vocab: int = 100, dim: int = 64, heads: int = 4, hidden: int = 176, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
+        self.norm = _RmsNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def fake_llama_trace(world: int) -> Any:
+    """One FSDP2 training step of :class:`TinyLlama` (each layer and the root sharded), rank 0 of a
+    fake world of ``world`` ranks, with fake tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with memtrim.fake_world(world):
+        mesh = init_device_mesh("cpu", (world,))
+        with memtrim.track(fake=True) as trace:
+            torch.manual_seed(0)
+            model = TinyLlama()
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            tokens = torch.randint(0, 100, (2, 16))
+            logits = model(tokens)
+            nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return trace

@@ -26,6 +26,7 @@ collective's buffers are, what FSDP2 and DDP use storages as, and which rank a t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -88,6 +89,7 @@ class Listener(Protocol):
     def phase_of(self, seq: int) -> Phase: ...
     def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None: ...
     def record_outputs(self, out: Any, seq: int) -> None: ...
+    def describe(self, t: torch.Tensor) -> None: ...
 
 
 After = Callable[[Listener, Any, dict[str, Any], Any, int], None]
@@ -145,8 +147,11 @@ def _all_reduce(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq:
 
 
 def _fsdp_copy_out(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
-    # fsdp::split_with_sizes_copy(Tensor all_gather_output, SymInt[] sizes, int dim, *, Tensor(a!)[] out)
-    _tag_all(rec, kwargs.get("out", ()), Fact.UNSHARDED_PARAMETER)
+    # fsdp::split_with_sizes_copy(Tensor all_gather_output, SymInt[] sizes, int dim, *, Tensor(a!)[] out):
+    # each out tensor's storage was just allocated by resize_ (FSDPParam.alloc_all_gather_outputs)
+    for t in _tensors(kwargs.get("out", ())):
+        rec.describe(t)
+        rec.tag_storage(t, Fact.UNSHARDED_PARAMETER)
 
 
 def _functional_gather(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
@@ -245,3 +250,23 @@ def world_from_environment() -> dict[str, Any] | None:
 
 WORLD = "distributed"
 """``TraceLog.metadata`` key: ``{"rank": int, "world_size": int, "backend": str, "run_id": str}``."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Make this process rank ``rank`` of a world of ``world_size`` that exists only here: the default
+    process group is torch's fake one (backend ``"fake"``, whose collectives return at once and move
+    no data). With ``memtrim.track(fake=True)`` inside, an FSDP2 or DDP program's per-rank memory at
+    that world size is estimated in one CPU process, as torch's ``FSDPMemTracker`` does."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a default process group exists already: call fake_world() before init_process_group()"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

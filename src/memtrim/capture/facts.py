@@ -89,6 +89,7 @@ class FactRecorder:
         self._facts = facts
         self._watch_unseen = watch_unseen
         self._open = True
+        self.recording = True  # False outside a step window: nothing is tagged or watched then
         # leaves whose .grad autograd was seen storing, by id (each is tagged once)
         self._accumulated: set[int] = set()
         # optimizers whose step began and has not finished (a raise): their state is read at the end
@@ -156,7 +157,7 @@ class FactRecorder:
     def tag(self, t: torch.Tensor, fact: Fact, *, watch_unseen: bool = False) -> None:
         """Add ``fact`` to the allocation of ``t``'s storage, if the region holds it (or, with
         ``watch_unseen``, once it is watched as a storage from before the region)."""
-        if not self._open:
+        if not self._open or not self.recording:
             return
         try:
             cls = type(t)

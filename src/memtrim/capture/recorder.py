@@ -591,6 +591,15 @@ class Recorder(DetachableMode):
         phase: Phase = self._ops[seq].phase
         return phase
 
+    def describe(self, t: torch.Tensor) -> None:
+        """``t`` views a storage that a ``resize_`` allocated (known then only as bytes, and under fake
+        mode on the meta device): its row takes ``t``'s dtype, shape and device."""
+        watch = self._watches.get(t.untyped_storage()._cdata)
+        if watch is None or (row := self._rows[watch.index]).seq < 0:
+            return
+        if row.dtype is torch.uint8 and row.shape == (row.bytes,) and t.nbytes == row.bytes:
+            self._rows[watch.index] = row._replace(dtype=t.dtype, shape=t.shape, device=t.device)
+
     def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None:
         """A block shaped like ``like`` that the op made where no mode sees it; its storage is claimed
         when first seen, so that its free is observed."""
@@ -718,8 +727,8 @@ class Recorder(DetachableMode):
     # -- outside the dispatcher -----------------------------------------------------------------
     def storage_resized(self, storage: Any, before: int, after: int) -> None:
         """``UntypedStorage.resize_`` ran (memtrim.capture.outside): FSDP's free and re-allocation."""
-        if not self._open or storage.device.type == "meta":
-            return
+        if not self._open or (storage.device.type == "meta" and not self.trace.fake):
+            return  # (a fake tensor's storage is a meta storage that stands for the real one's block)
         seq, phase, call_site = self._outside_op("UntypedStorage.resize_")
         self._resized(storage, None, before, after, seq, phase, call_site)
 
@@ -765,6 +774,7 @@ class Recorder(DetachableMode):
     def set_recording(self, on: bool) -> None:
         """Record from now on, or not (memtrim.capture.steps: outside the chosen steps)."""
         self._open = on
+        self._facts.recording = on  # no storage watched outside the window (a parameter made there)
 
     def forked(self) -> None:
         """In a forked child: the parent's recording is not this process's; stop and leave the stack."""
