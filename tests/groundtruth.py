@@ -3,8 +3,11 @@
 The profiler sees every call into the CPU allocator. Two kinds of block never reach a dispatch mode
 and are set aside here, each kept in its own list so a test can bound them:
 
-- intra-op: an allocation whose alloc and free events both sit under the same outermost ``aten::`` op
-  (workspaces, scalar conversions inside a kernel). memtrim accounts at op boundaries.
+- intra-op: an allocation whose alloc and free events both sit under the same outermost op
+  (workspaces, scalar conversions inside a kernel). memtrim accounts at op boundaries. An op is an
+  ``aten::`` op, a collective (``c10d::``, ``_c10d_functional::``), one of FSDP2's custom ops
+  (``fsdp::``), or a collective's run on a gloo worker thread (``gloo:all_gather``: its flat staging
+  copies); user ``record_function`` spans are not ops.
 - wrapped numbers: torch's Python argument parser turns a Python number operand (``y * 2``) into an
   8-byte 0-dim tensor outside any op; the dispatch mode receives the plain number.
 
@@ -22,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 WRAPPED_NUMBER_BYTES = 8
+OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "fsdp::", "gloo:")
 
 
 @dataclass
@@ -29,6 +33,10 @@ class ProfiledMemory:
     events: list[tuple[int, int]] = field(default_factory=list)  # (time ns, +bytes / -bytes), cross-op
     intra_op_bytes: list[int] = field(default_factory=list)
     wrapped_number_bytes: list[int] = field(default_factory=list)
+    # ordinals (among the cross-op allocations, in order) of blocks whose free the profiler never saw:
+    # kept to the end, or freed on a thread the profiler does not watch (a gloo worker thread that
+    # drops a collective's last reference to its buffers after wait() returned)
+    unfreed: list[int] = field(default_factory=list)
 
     @property
     def deltas(self) -> list[int]:
@@ -60,7 +68,7 @@ def _allocation_events(prof: profile) -> list[tuple[int, int, int, int | None]]:
             if fields.device.type == "cpu":
                 out.append((node.start_time_ns, fields.ptr, fields.alloc_size, op))
             continue
-        if op is None and node.name.startswith("aten::"):
+        if op is None and node.name.startswith(OP_PREFIXES):
             op = id(node)
         stack.extend((child, op) for child in node.children)
     out.sort(key=lambda e: e[0])
@@ -84,6 +92,9 @@ def profiled_memory(prof: profile) -> ProfiledMemory:
                 intra.update((i, j))
                 result.wrapped_number_bytes.append(-delta)
     result.events = [(t, delta) for i, (t, _, delta, _) in enumerate(events) if i not in intra]
+    still_open = {i for i, _ in opened.values()}
+    kept_allocations = [i for i, (_, _, delta, _) in enumerate(events) if i not in intra and delta > 0]
+    result.unfreed = [n for n, i in enumerate(kept_allocations) if i in still_open]
     return result
 
 
@@ -102,6 +113,7 @@ def profiler_memory() -> Iterator[ProfiledMemory]:
     result.events = measured.events
     result.intra_op_bytes = measured.intra_op_bytes
     result.wrapped_number_bytes = measured.wrapped_number_bytes
+    result.unfreed = measured.unfreed
 
 
 def memtrim_deltas(trace: object) -> list[int]:
@@ -113,5 +125,24 @@ def memtrim_deltas(trace: object) -> list[int]:
         if not a.preexisting:
             events.append((a.alloc_tick, a.bytes))
         if a.free_tick is not None:
+            events.append((a.free_tick, -a.bytes))
+    return [delta for _, delta in sorted(events)]
+
+
+def memtrim_deltas_as_profiled(trace: object, unfreed: list[int]) -> list[int]:
+    """memtrim's events as the profiler could see them: without the frees of the allocations (by
+    ordinal, :attr:`ProfiledMemory.unfreed`) whose free the profiler never saw."""
+    made = sorted(
+        (a for a in trace.allocations if a.device == "cpu" and not a.preexisting),  # type: ignore[attr-defined]
+        key=lambda a: a.alloc_tick,
+    )
+    hidden = {made[n].id for n in unfreed if n < len(made)}
+    events = []
+    for a in trace.allocations:  # type: ignore[attr-defined]
+        if a.device != "cpu":
+            continue
+        if not a.preexisting:
+            events.append((a.alloc_tick, a.bytes))
+        if a.free_tick is not None and a.id not in hidden:
             events.append((a.free_tick, -a.bytes))
     return [delta for _, delta in sorted(events)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
 from memtrim.api import Diff, Trace, diff, load, track
+from memtrim.capture.distributed import fake_world
 from memtrim.capture.regions import region
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
@@ -39,6 +40,7 @@ __all__ = [
     "__version__",
     "analyze",
     "diff",
+    "fake_world",
     "load",
     "region",
     "track",

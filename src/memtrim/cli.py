@@ -218,8 +218,33 @@ def _check_target(args: argparse.Namespace) -> None:
         raise UsageError(f"no such script {args.script!r}; give the path of a Python file")
 
 
+def _rank_path(path: str | None, rank: int) -> str | None:
+    """``trace.json`` -> ``trace.rank1.json``: one file per rank of a torchrun job."""
+    if path is None:
+        return None
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+
+
+def _per_rank(args: argparse.Namespace) -> tuple[int, int]:
+    """(rank, world size) under torchrun (``RANK``, ``WORLD_SIZE``), else (0, 1); each rank writes its
+    own files, and only rank 0 reports."""
+    from memtrim.capture.distributed import world_from_environment
+
+    world = world_from_environment()
+    if world is None:
+        return 0, 1
+    rank, size = int(world["rank"]), int(world["world_size"])
+    args.rank_outputs = [_rank_path(args.output, r) for r in range(size)]
+    args.output = _rank_path(args.output, rank)
+    for dest, _, _ in VIEWS:
+        setattr(args, dest, _rank_path(getattr(args, dest, None), rank))
+    return rank, size
+
+
 def _run(args: argparse.Namespace) -> int:
     _check_target(args)
+    rank, world_size = _per_rank(args)
     _check_output("-o", args.output)
     _check_views(args)
     if args.module:
@@ -241,11 +266,18 @@ def _run(args: argparse.Namespace) -> int:
     elif outcome.message is not None:
         print(outcome.message, file=sys.stderr)
     if trace is not None:
-        with progress(f"writing {args.output}"):
-            trace.save(args.output)
-        _report(trace, args)
+        trace.save(args.output)
+        if rank == 0:
+            _report(trace, args)
         _write_views(trace, args)
-        print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)
+        if world_size > 1 and rank == 0:
+            every = " ".join(args.rank_outputs)
+            print(
+                f"\nrank 0's report above; {world_size} rank traces written ({every}): memtrim show {every}",
+                file=sys.stderr,
+            )
+        elif world_size == 1:
+            print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)
     # the program's objects go only now, after the region closed and everything was written
     outcome.held.clear()
     outcome.failure = None
@@ -285,7 +317,9 @@ def _run_region(args: argparse.Namespace, outcome: Outcome) -> Trace | None:
 # -- the other commands ------------------------------------------------------------------------------
 def _show(args: argparse.Namespace) -> int:
     _check_views(args)
-    trace = _load(args.trace)
+    if len(args.trace) > 1:
+        return _show_ranks(args)
+    trace = _load(args.trace[0])
     if args.json:
         print(json.dumps(trace.to_dict(), indent=1))
     else:
@@ -294,11 +328,27 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_ranks(args: argparse.Namespace) -> int:
+    """``memtrim show trace.rank0.json trace.rank1.json ...``: the ranks of one job side by side."""
+    from memtrim.report import ranks
+
+    traces = [_load(path) for path in args.trace]
+    if args.json:
+        pairs = zip(traces, args.trace, strict=True)
+        print(json.dumps([t.to_dict()["peak"] | {"trace": path} for t, path in pairs]))
+    else:
+        with progress("analysing the traces"):
+            print(ranks.render([t.analysis for t in traces], top=args.top))
+    if any(getattr(args, dest, None) for dest, _, _ in VIEWS):
+        raise UsageError("views are written one trace at a time: memtrim show TRACE --html FILE")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     if not any(getattr(args, dest) for dest, _, _ in VIEWS):
         raise UsageError("say what to export: --html, --png, --perfetto or --memory-viz FILE")
     _check_views(args)
-    _write_views(_load(args.trace), args)
+    _write_views(_load(args.trace[0]), args)
     return 0
 
 
@@ -384,8 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_views(run)
     run.set_defaults(handler=_run, script=None, args=[])
 
-    show = sub.add_parser("show", help="report a saved trace (and write its views)")
-    show.add_argument("trace")
+    show = sub.add_parser(
+        "show", help="report a saved trace (and write its views); several: the ranks of one job side by side"
+    )
+    show.add_argument("trace", nargs="+")
     show.add_argument("--json", action="store_true", help="print the whole trace as JSON")
     show.add_argument("--top", type=rows, default=5, help="rows per table (default 5)")
     _add_views(show)
@@ -394,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a saved trace for another viewer (HTML, PNG, Perfetto, memory_viz)"
     )
-    export.add_argument("trace")
+    export.add_argument("trace", nargs=1)
     _add_views(export)
     export.set_defaults(handler=_export)
 

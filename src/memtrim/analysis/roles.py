@@ -21,6 +21,17 @@ class Role(str, Enum):
 
     PARAMETER = "parameter"
     """An ``nn.Parameter``, or a leaf tensor that requires grad."""
+    SHARDED_PARAMETER = "sharded_parameter"
+    """This rank's shard of a parameter sharded over ranks (FSDP2's DTensor parameters)."""
+    UNSHARDED_PARAMETER = "unsharded_parameter"
+    """A whole parameter gathered from every rank's shard for compute (FSDP2's all-gather outputs,
+    freed again by resharding)."""
+    ALL_GATHER_BUFFER = "all_gather_buffer"
+    """The flat tensor an all-gather wrote (FSDP2 copies it out into the unsharded parameters)."""
+    REDUCE_SCATTER_BUFFER = "reduce_scatter_buffer"
+    """The flat tensor a reduce-scatter read (FSDP2's unsharded gradients), and gloo's copy of it."""
+    GRADIENT_BUCKET = "gradient_bucket"
+    """A flat tensor of gradients all-reduced in backward (DDP's buckets)."""
     GRADIENT = "gradient"
     """A leaf's ``.grad`` (what autograd accumulates into it)."""
     OPTIMIZER_STATE = "optimizer_state"
@@ -59,6 +70,15 @@ def _fact_rule(fact: Fact, role: Role) -> RoleRule:
 
 
 # What the recorder saw beats lifetime: a gradient alive at the end is a gradient, not an output.
+# What torch.distributed uses a block for comes first: FSDP2's unsharded parameters are also the
+# module's parameters while they exist, and its sharded ones are parameters everywhere.
+ROLE_RULES.register("unsharded_parameter")(_fact_rule(Fact.UNSHARDED_PARAMETER, Role.UNSHARDED_PARAMETER))
+ROLE_RULES.register("sharded_parameter")(_fact_rule(Fact.SHARDED_PARAMETER, Role.SHARDED_PARAMETER))
+ROLE_RULES.register("all_gather_buffer")(_fact_rule(Fact.ALL_GATHER_BUFFER, Role.ALL_GATHER_BUFFER))
+ROLE_RULES.register("reduce_scatter_buffer")(
+    _fact_rule(Fact.REDUCE_SCATTER_BUFFER, Role.REDUCE_SCATTER_BUFFER)
+)
+ROLE_RULES.register("gradient_bucket")(_fact_rule(Fact.GRADIENT_BUCKET, Role.GRADIENT_BUCKET))
 ROLE_RULES.register("parameter")(_fact_rule(Fact.PARAMETER, Role.PARAMETER))
 ROLE_RULES.register("gradient")(_fact_rule(Fact.GRADIENT, Role.GRADIENT))
 ROLE_RULES.register("optimizer_state")(_fact_rule(Fact.OPTIMIZER_STATE, Role.OPTIMIZER_STATE))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from memtrim.capture import compiled, outside
+from memtrim.capture import compiled, distributed, outside
 from memtrim.capture.fork import PID_KEY
 from memtrim.capture.recorder import Recorder
 from memtrim.capture.steps import StepWindow
@@ -61,6 +61,13 @@ class _CudaPeak:
             peak = max(self.seen_max[d], torch.cuda.max_memory_allocated(d))
             result[f"cuda:{d}"] = peak - self.start[d]
         return result
+
+
+def _note_world(trace: TraceLog, at_start: dict[str, object] | None) -> None:
+    """Which rank of which world the trace is (``trace.metadata["distributed"]``)."""
+    found = distributed.world() or at_start
+    if found is not None:
+        trace.metadata.setdefault(distributed.WORLD, found)
 
 
 def _window_cuda(trace: TraceLog) -> dict[str, Callable[[], None]]:
@@ -112,7 +119,9 @@ def record(*, fake: bool = False, steps: range | None = None) -> Iterator[TraceL
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = Recorder(trace, fake_mode)
     cuda = _CudaPeak()
+    world = distributed.world()  # also read at the end: the program may start or end its group inside
     with contextlib.ExitStack() as stack:
+        stack.callback(_note_world, trace, world)
         compiled.acquire()
         stack.callback(compiled.release, trace)
         outside.acquire()

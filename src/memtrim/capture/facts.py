@@ -34,6 +34,7 @@ import torch.optim.optimizer as _optimizer_hooks
 from torch.utils.hooks import RemovableHandle
 
 from memtrim.capture import storages
+from memtrim.capture.distributed import placed_fact
 from memtrim.trace.model import Fact
 
 ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
@@ -88,6 +89,7 @@ class FactRecorder:
         self._facts = facts
         self._watch_unseen = watch_unseen
         self._open = True
+        self.recording = True  # False outside a step window: nothing is tagged or watched then
         # leaves whose .grad autograd was seen storing, by id (each is tagged once)
         self._accumulated: set[int] = set()
         # optimizers whose step began and has not finished (a raise): their state is read at the end
@@ -155,7 +157,7 @@ class FactRecorder:
     def tag(self, t: torch.Tensor, fact: Fact, *, watch_unseen: bool = False) -> None:
         """Add ``fact`` to the allocation of ``t``'s storage, if the region holds it (or, with
         ``watch_unseen``, once it is watched as a storage from before the region)."""
-        if not self._open:
+        if not self._open or not self.recording:
             return
         try:
             cls = type(t)
@@ -163,6 +165,7 @@ class FactRecorder:
                 # a subclass (a DTensor parameter is of type DTensor; a fake tensor), a nested or
                 # meta tensor: the storages that hold its memory
                 found = storages.parts(t)
+                fact = placed_fact(t, fact)
             else:
                 found = [(t, t.untyped_storage())]
             for part, storage in found:

@@ -105,3 +105,9 @@ def modules_with_buffers() -> list[torch.nn.Module]:
     """Live modules that had buffers when an op inside them was first seen (on the chain of modules
     above it): :mod:`memtrim.capture.facts` reads their buffers when a region ends."""
     return [m for ref in list(_holding_buffers.values()) if (m := ref()) is not None]
+
+
+def modules_seen() -> list[torch.nn.Module]:
+    """Live modules an op has been seen running in (any region's): :mod:`memtrim.capture.distributed`
+    reads FSDP2's state from those that are ``fully_shard`` modules when a region ends."""
+    return [m for ref, _ in list(_paths.values()) if (m := ref()) is not None]

@@ -10,6 +10,7 @@ storage (PyObject preservation), so the callback fires when the memory is return
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memtrim.capture import storages
+from memtrim.capture import distributed, storages
 from memtrim.capture.facts import ACCUMULATE_GRAD, FactRecorder
 from memtrim.capture.fork import DetachableMode
 from memtrim.capture.frames import (
@@ -32,7 +33,7 @@ from memtrim.capture.frames import (
     runs_code,
     user_site,
 )
-from memtrim.capture.modules import modules_with_buffers
+from memtrim.capture.modules import modules_seen, modules_with_buffers
 from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
@@ -117,7 +118,18 @@ _device = _DEVICE._op
 class _OpInfo:
     """What the recorder needs to know about an op overload, computed once per overload."""
 
-    __slots__ = ("call", "func", "lifts", "name", "saves", "writes", "written_args", "written_kwargs")
+    __slots__ = (
+        "after",
+        "call",
+        "func",
+        "lifts",
+        "name",
+        "saves",
+        "special",
+        "writes",
+        "written_args",
+        "written_kwargs",
+    )
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held so that its id, the cache key, stays its own
@@ -127,6 +139,9 @@ class _OpInfo:
         # torch.tensor(data) builds its tensor below the dispatch modes, then passes it through
         # lift_fresh so that modes see it: that input is new, not something from before the region.
         self.lifts = func in _LIFT_OPS
+        # what a collective's arguments say about its buffers (memtrim.capture.distributed)
+        self.after = distributed.AFTER_OPS.get(self.name)
+        self.special = self.lifts or self.after is not None
         self.written_args: list[int] = []
         self.written_kwargs: list[str] = []
         for i, arg in enumerate(func._schema.arguments):
@@ -193,6 +208,10 @@ class Recorder(DetachableMode):
         # ops the engine ran for an AccumulateGrad node
         self._accumulating: set[int] = set()
         self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_one_preexisting)
+        # blocks a collective made where no mode sees them (gloo's reduce-scatter clone), each
+        # (bytes, dtype, device, row) until its storage is first seen
+        self._unseen: list[tuple[int, Any, Any, int]] = []
+        self._call_site: Site | None = None  # the call site of the op whose after-hook is running
         self._open = True
 
     def __enter__(self) -> Recorder:
@@ -220,6 +239,8 @@ class Recorder(DetachableMode):
             kwargs = {}
         if not self._open:
             return func(*args, **kwargs)
+        if types and distributed.desugars(types):
+            return NotImplemented  # a DTensor runs the op on its local tensors, which are recorded
         if self._freed:
             self._drain_frees()
         if (pending := self._pending) is not None:
@@ -300,8 +321,8 @@ class Recorder(DetachableMode):
             self._drain_frees()
         if written:
             self._record_resizes(written, seq, call_site)
-        if info.lifts:
-            self._record_lifted(out, seq, call_site)
+        if info.special:
+            self._after_special(info, args, kwargs, out, seq, call_site)
 
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
@@ -369,6 +390,17 @@ class Recorder(DetachableMode):
         if caller is None or caller.f_code is _ENGINE_RUN:
             self._facts.accumulated(node, gradient)
 
+    def _after_special(
+        self, info: _OpInfo, args: Any, kwargs: Any, out: Any, seq: int, call_site: Site | None
+    ) -> None:
+        if info.lifts:
+            self._record_lifted(out, seq, call_site)
+        if info.after is not None:
+            self._call_site = call_site
+            # reading what a collective's buffers are must never break the program
+            with contextlib.suppress(Exception):
+                info.after(self, args, kwargs, out, seq)
+
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
         # the program goes on using in both
@@ -428,6 +460,8 @@ class Recorder(DetachableMode):
         return [self._watch_one_preexisting(t, storage).index]
 
     def _watch_one_preexisting(self, t: torch.Tensor, storage: Any) -> _StorageWatch:
+        if self._unseen and (claimed := self._claim_unseen(t, storage)) is not None:
+            return claimed
         rows = self._rows
         shape = storages.row_shape(t, storage)
         rows.append(_row(AllocRow, (-1, storage.nbytes(), t.dtype, shape, t.device, -1, None)))
@@ -556,6 +590,48 @@ class Recorder(DetachableMode):
         if old is not None:
             self._recorded.frees[old] = FreeRow(next(self._clock), phase)
 
+    # -- torch.distributed (memtrim.capture.distributed's hooks call these) -----------------------
+    def tag_storage(self, t: torch.Tensor, fact: Fact) -> None:
+        self._facts.tag(t, fact)
+
+    def phase_of(self, seq: int) -> Phase:
+        phase: Phase = self._ops[seq].phase
+        return phase
+
+    def describe(self, t: torch.Tensor) -> None:
+        """``t`` views a storage that a ``resize_`` allocated (known then only as bytes, and under fake
+        mode on the meta device): its row takes ``t``'s dtype, shape and device."""
+        watch = self._watches.get(t.untyped_storage()._cdata)
+        if watch is None or (row := self._rows[watch.index]).seq < 0:
+            return
+        if row.dtype is torch.uint8 and row.shape == (row.bytes,) and t.nbytes == row.bytes:
+            self._rows[watch.index] = row._replace(dtype=t.dtype, shape=t.shape, device=t.device)
+
+    def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None:
+        """A block shaped like ``like`` that the op made where no mode sees it; its storage is claimed
+        when first seen, so that its free is observed."""
+        nbytes = like.untyped_storage().nbytes()
+        index = self._new_allocation(like, nbytes, seq, self._call_site)
+        self._recorded.add_fact(index, fact)
+        self._unseen.append((nbytes, like.dtype, like.device, index))
+
+    def _claim_unseen(self, t: torch.Tensor, storage: Any) -> _StorageWatch | None:
+        nbytes = storage.nbytes()
+        for i, (size, dtype, device, index) in enumerate(self._unseen):
+            if size == nbytes and dtype == t.dtype and device == t.device:
+                del self._unseen[i]
+                return self._start_watch(storage, index)
+        return None
+
+    def record_outputs(self, out: Any, seq: int) -> None:
+        """Record ``out``'s new storages now (the op's facts are about to be added to them)."""
+        for t in _tensors(out):
+            if type(t) is not _Tensor and not self.trace.fake:
+                continue
+            storage = t.untyped_storage()
+            if storage._cdata not in self._watches and (nbytes := storage.nbytes()):
+                self._start_watch(storage, self._new_allocation(t, nbytes, seq, self._call_site))
+
     # -- autograd -------------------------------------------------------------------------------
     def _stamp_node(self, ref: weakref.ref[torch.Tensor], seq: int, marks_saved: bool) -> None:
         """Stamp the node that the last op's output got with that op's site, and mark what the node
@@ -631,6 +707,9 @@ class Recorder(DetachableMode):
         if (pending := self._pending) is not None:
             self._pending = None
             self._stamp_node(*pending)
+        with contextlib.suppress(Exception):  # FSDP's private state is read best effort
+            for t, fact in distributed.fsdp_facts(modules_seen()):
+                self._facts.tag(t, fact)
         self._facts.finish(modules_with_buffers())
         self._facts.remove()
         self._open = False
@@ -655,8 +734,8 @@ class Recorder(DetachableMode):
     # -- outside the dispatcher -----------------------------------------------------------------
     def storage_resized(self, storage: Any, before: int, after: int) -> None:
         """``UntypedStorage.resize_`` ran (memtrim.capture.outside): FSDP's free and re-allocation."""
-        if not self._open or storage.device.type == "meta":
-            return
+        if not self._open or (storage.device.type == "meta" and not self.trace.fake):
+            return  # (a fake tensor's storage is a meta storage that stands for the real one's block)
         seq, phase, call_site = self._outside_op("UntypedStorage.resize_")
         self._resized(storage, None, before, after, seq, phase, call_site)
 
@@ -702,6 +781,7 @@ class Recorder(DetachableMode):
     def set_recording(self, on: bool) -> None:
         """Record from now on, or not (memtrim.capture.steps: outside the chosen steps)."""
         self._open = on
+        self._facts.recording = on  # no storage watched outside the window (a parameter made there)
 
     def forked(self) -> None:
         """In a forked child: the parent's recording is not this process's; stop and leave the stack."""

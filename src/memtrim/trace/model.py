@@ -53,6 +53,20 @@ class Fact(str, Enum):
     """Held in a ``torch.optim.Optimizer``'s ``state``."""
     BUFFER = "buffer"
     """Held by an ``nn.Module`` buffer."""
+    SHARDED_PARAMETER = "sharded_parameter"
+    """This rank's shard of a parameter sharded over ranks (the local tensor of a DTensor parameter
+    with a ``Shard`` placement: FSDP2's sharded parameters)."""
+    UNSHARDED_PARAMETER = "unsharded_parameter"
+    """A whole parameter gathered from the ranks' shards for compute (FSDP2's per-parameter
+    all-gather outputs)."""
+    ALL_GATHER_BUFFER = "all_gather_buffer"
+    """What an all-gather into one tensor wrote (``all_gather_into_tensor``; FSDP2's flat buffer,
+    copied out into the unsharded parameters)."""
+    REDUCE_SCATTER_BUFFER = "reduce_scatter_buffer"
+    """What a reduce-scatter of one tensor read (``reduce_scatter_tensor``: FSDP2's flat gradients),
+    and a backend's own copy of it (gloo reduces a clone)."""
+    GRADIENT_BUCKET = "gradient_bucket"
+    """A flat tensor all-reduced in backward (DDP's gradient buckets)."""
 
     def __str__(self) -> str:
         return self.value

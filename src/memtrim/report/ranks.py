@@ -1,0 +1,71 @@
+"""A set of per-rank traces (one per process of a torchrun job) as one report: a table with each
+rank's peak, the phase it was reached in and its bytes by role at that moment; the worst rank's full
+report; and the roles whose bytes differ between ranks at their peaks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memtrim.analysis import Analysis, Breakdown
+from memtrim.report import terminal
+from memtrim.report.escape import safe
+from memtrim.units import format_bytes
+
+WORLD = "distributed"  # TraceLog.metadata key the recorder writes (memtrim.capture.distributed.WORLD)
+
+
+def rank_of(analysis: Analysis, fallback: int) -> int:
+    """The rank recorded in the trace (``fallback``, its place in the list, when none was)."""
+    world = analysis.log.metadata.get(WORLD)
+    rank = world.get("rank") if isinstance(world, dict) else None
+    return rank if isinstance(rank, int) else fallback
+
+
+def _roles_at_peak(breakdown: Breakdown) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for part in (breakdown.made, breakdown.preexisting):
+        for role, n in part.items():
+            found[str(role)] = found.get(str(role), 0) + n
+    return {role: n for role, n in found.items() if n}
+
+
+def render(analyses: Sequence[Analysis], top: int = 5) -> str:
+    """The per-rank table, what differs between ranks, then the worst rank's report."""
+    ranked = sorted(((rank_of(a, i), a) for i, a in enumerate(analyses)), key=lambda pair: pair[0])
+    roles = [_roles_at_peak(a.breakdown_at_peak) for _, a in ranked]
+    names = sorted(
+        {role for found in roles for role in found}, key=lambda r: -max(f.get(r, 0) for f in roles)
+    )
+    shown = names[:6]
+    header = ["rank", "peak", "phase", *shown]
+    table = [header]
+    for (rank, a), found in zip(ranked, roles, strict=True):
+        phase = a.peak.phase
+        table.append(
+            [str(rank), format_bytes(a.peak.bytes), str(phase) if phase else "-"]
+            + [format_bytes(found.get(role, 0)) for role in shown]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [
+        f"{len(ranked)} ranks; bytes by role alive at each rank's peak (made in the region or before it)"
+    ]
+    lines += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    worst = max(range(len(ranked)), key=lambda i: ranked[i][1].peak.bytes)
+    lines.append("")
+    differing = [r for r in names if len({found.get(r, 0) for found in roles}) > 1]
+    if len({a.peak.bytes for _, a in ranked}) == 1 and not differing:
+        lines.append("Every rank peaks at the same bytes, with the same bytes by role.")
+    else:
+        lines.append("What differs between ranks at their peaks:")
+        spread = [(r, [found.get(r, 0) for found in roles]) for r in differing]
+        for role, values in sorted(spread, key=lambda rv: -(max(rv[1]) - min(rv[1])))[:top]:
+            lo, hi = min(values), max(values)
+            lines.append(
+                f"  {safe(role)}: {format_bytes(lo)} to {format_bytes(hi)} "
+                f"(most on rank {ranked[values.index(hi)][0]})"
+            )
+        if not differing:
+            lines.append("  the same bytes by role; the peaks differ in what else was alive")
+    lines += ["", f"Rank {ranked[worst][0]} peaks highest; its report:", ""]
+    lines.append(terminal.render(ranked[worst][1], top=top))
+    return "\n".join(lines)

@@ -1,0 +1,291 @@
+"""Programs run on each rank of a small gloo world (tests/test_distributed_ranks.py spawns them).
+
+Each rank initialises a gloo process group on localhost and runs, in one process (so that a test pays
+for one spawn): an FSDP2 training step, a DDP training step and a few collectives, each under
+torch.profiler and memtrim at once. What the tests compare goes to ``<out>/rank<r>.json``: memtrim's
+per-rank peak and events, the profiler's, and sizes from the program's own tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from groundtruth import memtrim_deltas, memtrim_deltas_as_profiled, profiler_memory
+from torch import nn
+
+import memtrim
+
+DIM = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Mlp(nn.Module):
+    """Three linear layers: each is its own FSDP2 unit in :func:`fsdp_step`."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))  # LAYER_LINE
+        return x
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+
+
+def measure(step: Callable[[], None]) -> dict[str, Any]:
+    """One step under the profiler and memtrim at once."""
+    with profiler_memory() as truth, memtrim.track() as trace:
+        step()
+    made = sorted((a for a in trace.allocations if not a.preexisting), key=lambda a: a.alloc_tick)
+    return {
+        "memtrim_peak": trace.peak_bytes,
+        "profiler_peak": truth.peak,
+        "memtrim_deltas": memtrim_deltas(trace),
+        "memtrim_deltas_as_profiled": memtrim_deltas_as_profiled(trace, truth.unfreed),
+        "profiler_deltas": truth.deltas,
+        # what memtrim saw freed and the profiler never did
+        "unseen_frees": [str(trace.role(made[n])) for n in truth.unfreed if made[n].free_tick is not None],
+        "roles": _roles(trace),
+        "metadata": trace.log.metadata.get("distributed"),
+        "allocations": [
+            {
+                "bytes": a.bytes,
+                "op": a.op,
+                "role": str(trace.role(a)),
+                "alloc_tick": a.alloc_tick,
+                "free_tick": a.free_tick,
+                "site": a.site.text() if a.site else None,
+            }
+            for a in trace.allocations
+        ],
+        "collectives": [
+            (op.op, op.site.text() if op.site else None, op.tick)
+            for op in trace.log.ops
+            if op.op.startswith(("c10d.", "_c10d_functional."))
+        ],
+    }
+
+
+def measure_settled(step: Callable[[], None], attempts: int = 5) -> dict[str, Any]:
+    """:func:`measure`, again (up to ``attempts`` steps, every rank as long as any rank needs it)
+    while memtrim and the profiler disagree. They do when gloo's worker thread drops a collective's
+    buffers after wait() returned: that free comes late, on a thread the profiler does not watch
+    (it never sees the free, or sees it at another point than the main thread's next op). A real
+    disagreement shows in every attempt."""
+    attempt = 0
+    while attempt < attempts:
+        attempt += 1
+        result = measure(step)
+        differs = result["memtrim_deltas"] != result["profiler_deltas"]
+        late = torch.tensor([int(differs)])
+        dist.all_reduce(late)  # the ranks agree, or one would wait for the other's next step forever
+        if not int(late):
+            break
+    result["attempts"] = attempt
+    return result
+
+
+def _roles(trace: Any) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for a in trace.allocations:
+        role = str(trace.role(a))
+        found[role] = found.get(role, 0) + a.bytes
+    return found
+
+
+def fsdp_model(mesh: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The MLP with each layer and the root fully_shard'ed, and plain SGD: no ``.item()`` (Adam's step
+    count), so the same step runs under fake tensors, and no temporaries made inside DTensor's own
+    dispatch (SGD's momentum makes some), which torch.profiler cannot tell from a kernel's workspace."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Mlp()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(x).sum().backward()  # FSDP_LINE
+    optimizer.step()
+
+
+def fsdp_step(rank: int) -> dict[str, Any]:
+    model, optimizer = fsdp_model()
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+    train_step(model, optimizer, x)  # gradients exist before the measured step, as in every later one
+    result = measure_settled(lambda: train_step(model, optimizer, x))
+    result["parameter_bytes"] = sum(nbytes(p) for p in Mlp().parameters())
+    result["local_shard_bytes"] = sum(nbytes(p.to_local()) for p in model.parameters())  # type: ignore[attr-defined]
+    return result
+
+
+def fake_fsdp_peak(world: int) -> Any:
+    """The same FSDP2 step in this process, at world size ``world`` of a fake process group and with
+    fake tensors: the trace of the second step (the first makes the optimizer's state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with memtrim.fake_world(world):
+        mesh = init_device_mesh("cpu", (world,))  # outside fake mode: it reads values
+        with memtrim.track(fake=True, steps=range(1, 2)) as trace:
+            model, optimizer = fsdp_model(mesh)
+            x = torch.randn(4, DIM)
+            for _ in range(2):
+                train_step(model, optimizer, x)
+    return trace
+
+
+def ddp_step(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(x).sum().backward()  # DDP_LINE
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # DDP builds its buckets again in the second step's forward, in the order grads came
+    step()
+    result = measure_settled(step)
+    result["parameter_bytes"] = sum(nbytes(p) for p in model.parameters())
+    return result
+
+
+def collectives(rank: int) -> dict[str, Any]:
+    """A functional all-gather (its output is a new buffer, alive until it is waited on and dropped)
+    and a DTensor op that issues a collective inside torch (clip_grad_norm_ over sharded gradients)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.ones(256) * rank
+    torch.manual_seed(0)
+    model = Mlp()
+    fully_shard(model)
+    model(x[:DIM].unsqueeze(0)).sum().backward()
+
+    def step() -> None:
+        gathered = funcol.all_gather_single(x, 0, dist.group.WORLD)  # GATHER_LINE
+        assert float(gathered.sum()) == 256 * sum(range(dist.get_world_size()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # CLIP_LINE
+
+    result = measure(step)
+    result["x_bytes"] = nbytes(x)
+    return result
+
+
+def all_steps(rank: int, world: int, port: int, out: str) -> None:
+    init(rank, world, port)
+    result = {"fsdp": fsdp_step(rank), "ddp": ddp_step(rank), "collectives": collectives(rank)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run(out: str, world: int = 2) -> list[dict[str, Any]]:
+    """:func:`all_steps` on ``world`` spawned ranks; each rank's result."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(all_steps, args=(world, free_port(), out), nprocs=world, join=True)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+class _RmsNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Block(nn.Module):
+    """A Llama decoder layer: RMSNorm, causal attention (no rotary: it adds no parameters), RMSNorm,
+    SwiGLU MLP."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = _RmsNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.ffn_norm = _RmsNorm(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(batch, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attended.transpose(1, 2).reshape(batch, seq, dim))
+        h = self.ffn_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLlama(nn.Module):
+    """A Llama-style decoder in plain torch (no download): embedding, layers, norm, output head."""
+
+    def __init__(
+        self, vocab: int = 100, dim: int = 64, heads: int = 4, hidden: int = 176, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
+        self.norm = _RmsNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def fake_llama_trace(world: int) -> Any:
+    """One FSDP2 training step of :class:`TinyLlama` (each layer and the root sharded), rank 0 of a
+    fake world of ``world`` ranks, with fake tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with memtrim.fake_world(world):
+        mesh = init_device_mesh("cpu", (world,))
+        with memtrim.track(fake=True) as trace:
+            torch.manual_seed(0)
+            model = TinyLlama()
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            tokens = torch.randint(0, 100, (2, 16))
+            logits = model(tokens)
+            nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return trace
