@@ -69,11 +69,11 @@ def test_torchrun_writes_a_trace_per_rank_and_show_compares_them(tmp_path: Path)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert lines[0].startswith("2 ranks;")
-    rows = [line.split() for line in lines[2:4]]
-    assert [row[0] for row in rows] == ["0", "1"]  # by rank, whatever the order given
-    for row, trace in zip(rows, traces, strict=True):
-        assert " ".join(row[1:3]) == format_bytes(trace.peak_bytes)
-        assert row[3] == "backward"
+    assert lines[1].split() == ["rank", "0", "rank", "1"]  # by rank, whatever the order given
+    peaks, phases = lines[2].split(), lines[3].split()
+    assert peaks[0] == "peak" and phases == ["phase", "backward", "backward"]
+    assert [" ".join(peaks[1:3]), " ".join(peaks[3:5])] == [format_bytes(t.peak_bytes) for t in traces]
+    assert max(len(line) for line in lines) <= 100
     assert "What differs between ranks at their peaks:" in shown.stdout
     assert "activation:" in shown.stdout
     assert "Rank 1 peaks highest; its report:" in shown.stdout

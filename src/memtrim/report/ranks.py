@@ -36,20 +36,43 @@ def render(analyses: Sequence[Analysis], top: int = 5) -> str:
     names = sorted(
         {role for found in roles for role in found}, key=lambda r: -max(f.get(r, 0) for f in roles)
     )
-    shown = names[:6]
-    header = ["rank", "peak", "phase", *shown]
-    table = [header]
-    for (rank, a), found in zip(ranked, roles, strict=True):
-        phase = a.peak.phase
-        table.append(
-            [str(rank), format_bytes(a.peak.bytes), str(phase) if phase else "-"]
-            + [format_bytes(found.get(role, 0)) for role in shown]
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    peaks = [format_bytes(a.peak.bytes) for _, a in ranked]
+    phases = [str(a.peak.phase) if a.peak.phase else "-" for _, a in ranked]
     lines = [
         f"{len(ranked)} ranks; bytes by role alive at each rank's peak (made in the region or before it)"
     ]
-    lines += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    # few ranks: one column per rank, one row per role (every role fits); many: one row per rank, and
+    # as many of the largest roles as fit in the report's width
+    columns = [["", "peak", "phase", *names]]
+    columns += [
+        [f"rank {rank}", peak, phase, *(format_bytes(found.get(role, 0)) for role in names)]
+        for (rank, _), peak, phase, found in zip(ranked, peaks, phases, roles, strict=True)
+    ]
+    widths = [max(len(cell) for cell in column) for column in columns]
+    if 2 + sum(widths) + 2 * (len(widths) - 1) <= terminal.WIDTH:
+        for i in range(len(columns[0])):
+            cells = [columns[0][i].ljust(widths[0])]
+            cells += [column[i].rjust(w) for column, w in zip(columns[1:], widths[1:], strict=True)]
+            lines.append("  " + "  ".join(cells).rstrip())
+    else:
+        table = [["rank", "peak", "phase"]] + [
+            [str(rank), peak, phase] for (rank, _), peak, phase in zip(ranked, peaks, phases, strict=True)
+        ]
+        for role in names:
+            column = [role] + [format_bytes(found.get(role, 0)) for found in roles]
+            trial = [[*row, cell] for row, cell in zip(table, column, strict=True)]
+            trial_widths = [max(len(row[i]) for row in trial) for i in range(len(trial[0]))]
+            if 2 + sum(trial_widths) + 2 * (len(trial_widths) - 1) > terminal.WIDTH:
+                break
+            table = trial
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines += [
+            "  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table
+        ]
+        if len(table[0]) - 3 < len(names):
+            lines.append(
+                f"  (the {len(table[0]) - 3} largest of {len(names)} roles; memtrim show --json has all)"
+            )
     worst = max(range(len(ranked)), key=lambda i: ranked[i][1].peak.bytes)
     lines.append("")
     differing = [r for r in names if len({found.get(r, 0) for found in roles}) > 1]
