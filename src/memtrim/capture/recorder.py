@@ -447,6 +447,8 @@ class Recorder(DetachableMode):
         """Watch an input's storage not seen before as one from before the region; the rows of what
         holds its memory (its parts for a subclass or nested tensor, none for a meta tensor)."""
         if type(t) is not _Tensor or t.is_meta or t.is_nested:
+            # a parameter, a subclass (a DTensor parameter is of type DTensor), meta, nested: what
+            # holds its memory (an FSDP parameter's storage may be resized to nothing)
             if storage._cdata in self._no_memory:
                 return []
             parts = storages.parts(t)
