@@ -33,6 +33,7 @@ def test_rules_are_a_registry() -> None:
         "out-of-place-chain",
         "checkpoint-candidates",
         "optimizer-step",
+        "fsdp-reshard-after-forward",
     }
 
 

@@ -127,6 +127,28 @@ def test_dtensor_collective_inside_torch_is_recorded(ranks: list[dict[str, Any]]
     assert ("_c10d_functional.all_reduce.default", site) in [tuple(c[:2]) for c in probe["collectives"]]
 
 
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_reshard_after_forward_false_is_diagnosed_and_the_fix_measured(
+    ranks: list[dict[str, Any]], rank: int
+) -> None:
+    kept, resharded = ranks[rank]["fsdp_kept"], ranks[rank]["fsdp_resharded"]
+    _assert_events_equal_profiler(kept)
+    _assert_events_equal_profiler(resharded)
+    (finding,) = [d for d in kept["diagnoses"] if d["rule"] == "fsdp-reshard-after-forward"]
+    assert finding["site"] == f"tests/distributed_programs.py:{_line('LAYER_LINE')} in forward"
+    assert finding["module"] == "FSDPMlp.layers.0"
+    assert "reshard_after_forward=True" in finding["fix"] and "model.layers.2" in finding["fix"]
+    # every layer's unsharded parameters, the whole model's parameters' bytes
+    assert finding["bytes_at_stake"] == kept["unsharded_bytes"]
+    assert finding["peak_before"] == kept["memtrim_peak"]
+    assert [d for d in resharded["diagnoses"] if d["rule"] == "fsdp-reshard-after-forward"] == []
+    # the fix applied (reshard_after_forward=True), measured by torch.profiler on this rank
+    measured = kept["profiler_peak"] - resharded["profiler_peak"]
+    predicted = finding["peak_before"] - finding["peak_after"]
+    assert measured > 0
+    assert abs(predicted - measured) <= 0.1 * measured
+
+
 def test_fake_world_of_2_estimates_the_real_gloo_ranks_peak(ranks: list[dict[str, Any]]) -> None:
     # the same step in this one process: a fake process group of 2 ranks, fake tensors
     trace = distributed_programs.fake_fsdp_peak(WORLD)

@@ -6,8 +6,9 @@
 - ``broadcast-then-reduce``, ``out-of-place-chain`` (:mod:`.elementwise`)
 - ``checkpoint-candidates`` (:mod:`.checkpoint`)
 - ``optimizer-step`` (:mod:`.optimizer`)
+- ``fsdp-reshard-after-forward`` (:mod:`.fsdp`)
 """
 
-from memtrim.analysis.rules import checkpoint, elementwise, kept, loss, optimizer
+from memtrim.analysis.rules import checkpoint, elementwise, fsdp, kept, loss, optimizer
 
-__all__ = ["checkpoint", "elementwise", "kept", "loss", "optimizer"]
+__all__ = ["checkpoint", "elementwise", "fsdp", "kept", "loss", "optimizer"]
