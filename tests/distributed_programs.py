@@ -64,10 +64,16 @@ def measure(step: Callable[[], None]) -> dict[str, Any]:
     return {
         "trace": trace,
         "memtrim_peak": trace.peak_bytes,
-        "profiler_peak": truth.peak,
-        "memtrim_deltas": memtrim_deltas(trace),
-        "memtrim_deltas_as_profiled": memtrim_deltas_as_profiled(trace, truth.unfreed),
-        "profiler_deltas": truth.deltas,
+        "profiler_peak": truth.peak_in_window,
+        # Frees of blocks made before the window are left out on both sides: memtrim sees one only if
+        # an op in the region reads it, the profiler only if an earlier profile in this process saw
+        # the block allocated (the CPU allocator keeps those sizes), which retries and earlier steps
+        # make depend on addresses.
+        "memtrim_deltas": memtrim_deltas(trace, preexisting_frees=False),
+        "memtrim_deltas_as_profiled": memtrim_deltas_as_profiled(
+            trace, truth.unfreed, preexisting_frees=False
+        ),
+        "profiler_deltas": truth.deltas_in_window,
         # what memtrim saw freed and the profiler never did
         "unseen_frees": [str(trace.role(made[n])) for n in truth.unfreed if made[n].free_tick is not None],
         "roles": _roles(trace),
@@ -105,7 +111,7 @@ def measure_settled(
         if before is not None:
             before()
         result = measure(step)
-        differs = result["memtrim_deltas"] != result["profiler_deltas"]
+        differs = result["memtrim_deltas"] != result["profiler_deltas"]  # (both in the window)
         late = torch.tensor([int(differs)])
         dist.all_reduce(late)  # the ranks agree, or one would wait for the other's next step forever
         if not int(late):

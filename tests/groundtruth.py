@@ -37,10 +37,26 @@ class ProfiledMemory:
     # kept to the end, or freed on a thread the profiler does not watch (a gloo worker thread that
     # drops a collective's last reference to its buffers after wait() returned)
     unfreed: list[int] = field(default_factory=list)
+    # indices into ``events`` of frees of blocks allocated before the profile began
+    prewindow_frees: list[int] = field(default_factory=list)
 
     @property
     def deltas(self) -> list[int]:
         return [delta for _, delta in self.events]
+
+    @property
+    def deltas_in_window(self) -> list[int]:
+        """:attr:`deltas` without the frees of blocks allocated before the profile began."""
+        left_out = set(self.prewindow_frees)
+        return [delta for i, (_, delta) in enumerate(self.events) if i not in left_out]
+
+    @property
+    def peak_in_window(self) -> int:
+        live = best = 0
+        for delta in self.deltas_in_window:
+            live += delta
+            best = max(best, live)
+        return best
 
     @property
     def peak(self) -> int:
@@ -92,6 +108,18 @@ def profiled_memory(prof: profile) -> ProfiledMemory:
                 intra.update((i, j))
                 result.wrapped_number_bytes.append(-delta)
     result.events = [(t, delta) for i, (t, _, delta, _) in enumerate(events) if i not in intra]
+    allocated: set[int] = set()
+    kept = 0
+    for i, (_, ptr, delta, _) in enumerate(events):
+        if i in intra:
+            continue
+        if delta > 0:
+            allocated.add(ptr)
+        elif ptr in allocated:
+            allocated.discard(ptr)
+        else:
+            result.prewindow_frees.append(kept)
+        kept += 1
     still_open = {i for i, _ in opened.values()}
     kept_allocations = [i for i, (_, _, delta, _) in enumerate(events) if i not in intra and delta > 0]
     result.unfreed = [n for n, i in enumerate(kept_allocations) if i in still_open]
@@ -114,22 +142,26 @@ def profiler_memory() -> Iterator[ProfiledMemory]:
     result.intra_op_bytes = measured.intra_op_bytes
     result.wrapped_number_bytes = measured.wrapped_number_bytes
     result.unfreed = measured.unfreed
+    result.prewindow_frees = measured.prewindow_frees
 
 
-def memtrim_deltas(trace: object) -> list[int]:
-    """memtrim's allocation and free events in order, as +bytes / -bytes."""
+def memtrim_deltas(trace: object, *, preexisting_frees: bool = True) -> list[int]:
+    """memtrim's allocation and free events in order, as +bytes / -bytes (``preexisting_frees``: with
+    the frees of storages from before the region)."""
     events = []
     for a in trace.allocations:  # type: ignore[attr-defined]
         if a.device != "cpu":
             continue
         if not a.preexisting:
             events.append((a.alloc_tick, a.bytes))
-        if a.free_tick is not None:
+        if a.free_tick is not None and (preexisting_frees or not a.preexisting):
             events.append((a.free_tick, -a.bytes))
     return [delta for _, delta in sorted(events)]
 
 
-def memtrim_deltas_as_profiled(trace: object, unfreed: list[int]) -> list[int]:
+def memtrim_deltas_as_profiled(
+    trace: object, unfreed: list[int], *, preexisting_frees: bool = True
+) -> list[int]:
     """memtrim's events as the profiler could see them: without the frees of the allocations (by
     ordinal, :attr:`ProfiledMemory.unfreed`) whose free the profiler never saw."""
     made = sorted(
@@ -143,6 +175,6 @@ def memtrim_deltas_as_profiled(trace: object, unfreed: list[int]) -> list[int]:
             continue
         if not a.preexisting:
             events.append((a.alloc_tick, a.bytes))
-        if a.free_tick is not None and a.id not in hidden:
+        if a.free_tick is not None and a.id not in hidden and (preexisting_frees or not a.preexisting):
             events.append((a.free_tick, -a.bytes))
     return [delta for _, delta in sorted(events)]
