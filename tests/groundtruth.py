@@ -28,6 +28,14 @@ WRAPPED_NUMBER_BYTES = 8
 OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "fsdp::", "gloo:")
 
 
+def _peak(deltas: list[int]) -> int:
+    live = best = 0
+    for delta in deltas:
+        live += delta
+        best = max(best, live)
+    return best
+
+
 @dataclass
 class ProfiledMemory:
     events: list[tuple[int, int]] = field(default_factory=list)  # (time ns, +bytes / -bytes), cross-op
@@ -52,19 +60,11 @@ class ProfiledMemory:
 
     @property
     def peak_in_window(self) -> int:
-        live = best = 0
-        for delta in self.deltas_in_window:
-            live += delta
-            best = max(best, live)
-        return best
+        return _peak(self.deltas_in_window)
 
     @property
     def peak(self) -> int:
-        live = best = 0
-        for delta in self.deltas:
-            live += delta
-            best = max(best, live)
-        return best
+        return _peak(self.deltas)
 
     @property
     def allocated_sizes(self) -> list[int]:
