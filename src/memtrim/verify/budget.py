@@ -109,21 +109,10 @@ def underflow(dtype: torch.dtype) -> float:
     return float(info.smallest_normal) * float(info.eps) / 2.0
 
 
-@register_rounding(torch.float16, torch.bfloat16)
-def _half(dtype: torch.dtype) -> Rounding:
-    # CPU kernels and GPU tensor cores accumulate half-precision reductions in fp32 (PyTorch's opmath).
-    return Rounding(
-        dtype,
-        unit_roundoff(dtype),
-        torch.float32,
-        unit_roundoff(torch.float32),
-        "fp32 accumulate",
-        underflow(dtype),
-    )
-
-
-@register_rounding(torch.float32)
-def _single(dtype: torch.dtype) -> Rounding:
+@register_rounding(torch.float16, torch.bfloat16, torch.float32)
+def _single_accumulate(dtype: torch.dtype) -> Rounding:
+    # CPU kernels and GPU tensor cores accumulate half-precision reductions in fp32 (PyTorch's opmath),
+    # as fp32 ones are.
     return Rounding(
         dtype,
         unit_roundoff(dtype),
