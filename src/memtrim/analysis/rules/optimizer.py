@@ -46,8 +46,9 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
         largest = max(temps, key=lambda t: t.bytes)
         if adam:
             fix = (
-                "construct the optimizer with fused=True (torch.optim.AdamW(params, ..., fused=True)): "
-                "the fused step makes no temporaries"
+                # the trace does not say which of the two the program built: name both
+                "construct the optimizer with fused=True (torch.optim.Adam(params, ..., fused=True), "
+                "or AdamW's): the fused step makes no temporaries"
             )
             if foreach:
                 fix += "; or foreach=False, one parameter's temporaries at a time"
