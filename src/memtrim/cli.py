@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrim.api import Trace, diff, diff_ranks, load, rank_set, track
+from memtrim.api import RanksDiff, Trace, diff, load, rank_set, track
 from memtrim.trace.serialize import TraceFormatError, check_writable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -403,7 +403,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _diff_sets(args: argparse.Namespace, before_files: list[str], after_files: list[str]) -> int:
     """Two torchrun jobs, rank by rank (ranks paired by the rank each trace recorded)."""
-    from memtrim.analysis.rankdiff import RankSetError
+    from memtrim.analysis.rankdiff import RankSetError, diff_rank_sets
 
     if args.html:
         raise UsageError(
@@ -414,7 +414,8 @@ def _diff_sets(args: argparse.Namespace, before_files: list[str], after_files: l
     after = [_load(path) for path in after_files]
     try:
         with progress("comparing the ranks"):
-            result = diff_ranks(before, after)
+            analyses = [t.analysis for t in before], [t.analysis for t in after]
+            result = RanksDiff(diff_rank_sets(*analyses, names=(before_files, after_files)))
     except RankSetError as exc:
         raise UsageError(str(exc)) from exc
     if args.json:

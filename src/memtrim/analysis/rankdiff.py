@@ -51,9 +51,18 @@ class RankSetDiff:
     peak: tuple[int, int]
     """The job's peak before and after: its highest rank's."""
     highest: tuple[int, int]
-    """The rank with the highest peak before, and after (the lowest such rank on a tie)."""
-    focus: RankChange
-    """The rank whose one-trace diff is shown in full (see :func:`focus_rank`)."""
+    """The rank with the highest peak before, and after (:func:`highest_rank`)."""
+
+    @property
+    def focus(self) -> RankChange:
+        """The rank whose one-trace diff is shown in full: the highest rank after the change, because
+        its peak is the job's peak, the one that decides whether the job fits on its devices. (The rank
+        whose peak moved most can sit far below the job's peak, where a change costs nothing.)"""
+        return next(r for r in self.ranks if r.rank == self.highest[1])
+
+    def at_job_peak(self, side: int) -> list[int]:
+        """Every rank whose peak on ``side`` (0 before, 1 after) is the job's peak (ties included)."""
+        return [r.rank for r in self.ranks if r.peak[side] == self.peak[side]]
 
     @property
     def empty(self) -> bool:
@@ -112,7 +121,7 @@ def _side(analyses: Sequence[Analysis], names: Sequence[str], side: str) -> tupl
     if len(runs) > 1:
         (run_a, a), (run_b, b) = list(runs.items())[:2]
         raise RankSetError(
-            f"{a} and {b} come from different runs ({run_a}, {run_b}); give the traces of one job "
+            f"{a} and {b} come from different runs ({run_a!r}, {run_b!r}); give the traces of one job "
             f"on the {side} side"
         )
     if len(sizes) > 1:
@@ -143,12 +152,10 @@ def _check_not_mixed(sets: Sequence[Sequence[Analysis]], names: Sequence[Sequenc
             )
 
 
-def focus_rank(ranks: Sequence[RankChange]) -> RankChange:
-    """The rank whose full diff is shown: the highest rank after the change, because its peak is the
-    job's peak, the one that decides whether the job fits on its devices. (The rank whose peak moved
-    most can be a rank far below the job's peak, where a change costs nothing.) On a tie, the one whose
-    peak changed most, then the lowest rank."""
-    return min(ranks, key=lambda r: (-r.peak[1], -abs(r.peak[1] - r.peak[0]), r.rank))
+def highest_rank(ranks: Sequence[RankChange], side: int) -> RankChange:
+    """The rank with the highest peak on ``side`` (0 before, 1 after); on a tie, the one whose peak
+    changed most, then the lowest rank."""
+    return min(ranks, key=lambda r: (-r.peak[side], -abs(r.peak[1] - r.peak[0]), r.rank))
 
 
 def diff_rank_sets(
@@ -182,10 +189,6 @@ def diff_rank_sets(
                 f"the same ranks of both (the {other} job's trace.rank{missing[0]}.json)"
             )
     ranks = tuple(RankChange(r, diff(b[r], a[r])) for r in sorted(b))
-    # the highest rank of each side; on a tie, the lowest rank
-    highest = (
-        max(ranks, key=lambda r: (r.peak[0], -r.rank)),
-        max(ranks, key=lambda r: (r.peak[1], -r.rank)),
-    )
+    highest = (highest_rank(ranks, 0), highest_rank(ranks, 1))
     peak = (highest[0].peak[0], highest[1].peak[1])
-    return RankSetDiff(ranks, size_b, peak, (highest[0].rank, highest[1].rank), focus_rank(ranks))
+    return RankSetDiff(ranks, size_b, peak, (highest[0].rank, highest[1].rank))

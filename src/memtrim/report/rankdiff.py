@@ -18,14 +18,14 @@ MAX_RANK_ROWS = 16
 
 
 def rank_list(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> 'ranks 0-2, 5, 7-8'; [3] -> 'rank 3'."""
+    """[0, 1, 2, 5, 7, 8] -> 'ranks 0-2, 5, 7, 8'; [3] -> 'rank 3'."""
     spans: list[list[int]] = []
     for r in sorted(ranks):
         if spans and r == spans[-1][1] + 1:
             spans[-1][1] = r
         else:
             spans.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    text = ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans)
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
@@ -56,8 +56,13 @@ def _shown(d: RankSetDiff) -> list[RankChange]:
 
 
 def _mark(d: RankSetDiff, rank: int) -> str:
-    sides = [side for side, highest in zip(("before", "after"), d.highest, strict=True) if highest == rank]
+    sides = [side for i, side in enumerate(("before", "after")) if rank in d.at_job_peak(i)]
     return "highest " + " and ".join(sides) if sides else ""
+
+
+def _highest(d: RankSetDiff, side: int) -> str:
+    tied = d.at_job_peak(side)
+    return rank_list(tied) + (" (tied)" if len(tied) > 1 else "")
 
 
 def _given(d: RankSetDiff) -> str:
@@ -66,8 +71,9 @@ def _given(d: RankSetDiff) -> str:
 
 def _focus_title(d: RankSetDiff) -> str:
     r = d.focus
+    tied = len(d.at_job_peak(1)) > 1
     return (
-        f"Rank {r.rank} sets the job's peak after the change "
+        f"Rank {r.rank} {'shares' if tied else 'sets'} the job's peak after the change "
         f"({format_bytes(r.peak[1])}; {format_bytes(r.peak[0])} before); its diff:"
     )
 
@@ -81,7 +87,7 @@ def render_text(d: RankSetDiff, *, top: int = 10) -> str:
         )
     out = [
         f"memtrim diff: {_given(d)}; the job's peak (its highest rank's) {format_change(*d.peak)}",
-        f"  highest rank: {d.highest[0]} before, {d.highest[1]} after",
+        f"  highest: {_highest(d, 0)} before, {_highest(d, 1)} after",
         "",
         "Peak per rank:",
     ]
@@ -139,8 +145,8 @@ def render_markdown(d: RankSetDiff, *, top: int = 10) -> str:
             f"| {r.rank} | {format_bytes(r.peak[0])} | {format_bytes(r.peak[1])} | {format_delta(*r.peak)} |"
         )
     out.append(
-        f"| **job** (highest rank) | {format_bytes(d.peak[0])} (rank {d.highest[0]}) | "
-        f"{format_bytes(d.peak[1])} (rank {d.highest[1]}) | {format_delta(*d.peak)} |"
+        f"| **job** (highest rank) | {format_bytes(d.peak[0])} ({_highest(d, 0)}) | "
+        f"{format_bytes(d.peak[1])} ({_highest(d, 1)}) | {format_delta(*d.peak)} |"
     )
     groups = _groups(d)
     if groups:
