@@ -215,7 +215,11 @@ def test_cli_errors_are_one_line_naming_the_fix(tmp_path: Path, capsys: pytest.C
         (["diff", b, a, one], "3 traces given; memtrim diff BEFORE AFTER for two traces"),
         (["diff", b, "--"], "no trace after --"),
         (["diff", one, "--", a], "the before side (" + one + ") has no rank traces"),
-        (["diff", str(tmp_path / "before.rank0.json"), "--", a], "rank 1 given for the after job but not"),
+        (
+            ["diff", str(tmp_path / "before.rank0.json"), "--", a],
+            "rank 1 given for the after job but not for the before job; give the same ranks of both "
+            f"(the before job's {tmp_path / 'before.rank1.json'})",
+        ),
     ]
     for argv, says in cases:
         assert main(argv) == 2

@@ -8,6 +8,7 @@ be paired raises :class:`RankSetError`, whose message names the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -180,13 +181,16 @@ def diff_rank_sets(
             "both jobs need the same world size; to compare one rank of each, diff the two files alone "
             "(memtrim diff BEFORE.rank0.json AFTER.rank0.json)"
         )
-    for here, there, side, other in ((b, a, "before", "after"), (a, b, "after", "before")):
+    for here, there, side, other in ((b, a, 0, 1), (a, b, 1, 0)):
         missing = sorted(set(here) - set(there))
         if missing:
             which = "rank" if len(missing) == 1 else "ranks"
+            # the file to add, named as the other job's files are (trace.rank1.json where unknown)
+            like = re.sub(r"\.rank\d+(?=\.[^.]*$|$)", f".rank{missing[0]}", given[other][0])
+            file = like if like != given[other][0] else f"trace.rank{missing[0]}.json"
             raise RankSetError(
-                f"{which} {_ranks(missing)} given for the {side} job but not for the {other} job; give "
-                f"the same ranks of both (the {other} job's trace.rank{missing[0]}.json)"
+                f"{which} {_ranks(missing)} given for the {SIDES[side]} job but not for the {SIDES[other]} "
+                f"job; give the same ranks of both (the {SIDES[other]} job's {file})"
             )
     ranks = tuple(RankChange(r, diff(b[r], a[r])) for r in sorted(b))
     highest = (highest_rank(ranks, 0), highest_rank(ranks, 1))
