@@ -8,7 +8,7 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 from __future__ import annotations
 
 from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
-from memtrim.api import Diff, Trace, diff, load, track
+from memtrim.api import Diff, RanksDiff, Trace, diff, diff_ranks, load, track
 from memtrim.capture.distributed import fake_world
 from memtrim.capture.regions import region
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
@@ -33,6 +33,7 @@ __all__ = [
     "OpCall",
     "Peak",
     "Phase",
+    "RanksDiff",
     "Site",
     "Trace",
     "TraceFormatError",
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "analyze",
     "diff",
+    "diff_ranks",
     "fake_world",
     "load",
     "region",

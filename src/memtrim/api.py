@@ -9,15 +9,18 @@ figure is asked for after the region has finished.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak, analyze
 from memtrim.analysis.diff import LineChange, TraceDiff
 from memtrim.analysis.diff import diff as diff_analyses
+from memtrim.analysis.rankdiff import RankSetDiff, diff_rank_sets
 from memtrim.capture.api import record
 from memtrim.capture.source import remember_source_lines
 from memtrim.report import json as report_json
+from memtrim.report import rankdiff as report_rankdiff
 from memtrim.report.diff import render_html as render_diff_html
 from memtrim.report.diff import render_markdown as render_diff_markdown
 from memtrim.report.diff import render_text as render_diff_text
@@ -25,6 +28,7 @@ from memtrim.report.diff import to_dict as diff_to_dict
 from memtrim.report.terminal import render
 from memtrim.trace import serialize, stream
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
+from memtrim.trace.ranks import rank_files
 
 
 class Trace:
@@ -259,6 +263,81 @@ def diff(before: Trace | str, after: Trace | str) -> Diff:
     first = load(before) if isinstance(before, str) else before
     second = load(after) if isinstance(after, str) else after
     return Diff(diff_analyses(first.analysis, second.analysis))
+
+
+class RanksDiff:
+    """Two torchrun jobs compared rank by rank (:func:`diff_ranks`): ``str()`` for a terminal,
+    :meth:`markdown` for a pull request, :meth:`to_dict` for programs."""
+
+    def __init__(self, result: RankSetDiff) -> None:
+        self.result = result
+
+    @property
+    def empty(self) -> bool:
+        """True when no rank differs."""
+        return self.result.empty
+
+    @property
+    def peak(self) -> tuple[int, int]:
+        """The job's peak (its highest rank's) before and after."""
+        return self.result.peak
+
+    @property
+    def highest(self) -> tuple[int, int]:
+        """The rank with the highest peak before, and after."""
+        return self.result.highest
+
+    @property
+    def ranks(self) -> dict[int, Diff]:
+        """Each rank's one-trace diff, by rank."""
+        return {r.rank: Diff(r.diff) for r in self.result.ranks}
+
+    @property
+    def focus(self) -> tuple[int, Diff]:
+        """The rank whose peak after the change is the job's peak, and its diff."""
+        return self.result.focus.rank, Diff(self.result.focus.diff)
+
+    def report(self, *, top: int = 10) -> str:
+        return report_rankdiff.render_text(self.result, top=top)
+
+    def markdown(self, *, top: int = 10) -> str:
+        return report_rankdiff.render_markdown(self.result, top=top)
+
+    def to_dict(self) -> dict[str, Any]:
+        return report_rankdiff.to_dict(self.result)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def __repr__(self) -> str:
+        ranks, (b, a) = len(self.result.ranks), self.peak
+        return f"<memtrim.RanksDiff {ranks} ranks, the job's peak {b} -> {a} B>"
+
+
+def rank_set(side: str | Sequence[Trace | str]) -> list[tuple[Trace | str, str]]:
+    """One job's traces as (trace or file, name): a base name whose file does not exist stands for
+    its rank traces (``trace.json``: ``trace.rank0.json``, ``trace.rank1.json``, ...)."""
+    items = [side] if isinstance(side, str) else list(side)
+    found: list[tuple[Trace | str, str]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ranks = [] if os.path.exists(item) else rank_files(item)
+            found += [(path, path) for path in ranks or [item]]
+        else:
+            found.append((item, f"trace {i + 1}"))
+    return found
+
+
+def diff_ranks(before: str | Sequence[Trace | str], after: str | Sequence[Trace | str]) -> RanksDiff:
+    """Compare two torchrun jobs rank by rank: each side is its ranks' traces (``Trace`` objects or
+    files, in any order) or the base name given to ``memtrim run -o`` (``"before.json"`` for
+    ``before.rank0.json``, ``before.rank1.json``, ...). Ranks are paired by the rank each trace recorded;
+    traces that cannot be paired (different world sizes, a rank given on one side only, a single
+    process's trace) raise :class:`~memtrim.analysis.rankdiff.RankSetError` naming the fix."""
+    sides = [rank_set(before), rank_set(after)]
+    traces = [[load(t) if isinstance(t, str) else t for t, _ in side] for side in sides]
+    names = ([n for _, n in sides[0]], [n for _, n in sides[1]])
+    return RanksDiff(diff_rank_sets([t.analysis for t in traces[0]], [t.analysis for t in traces[1]], names))
 
 
 def load(path: str) -> Trace:

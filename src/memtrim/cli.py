@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrim.api import Trace, diff, load, track
+from memtrim.api import RanksDiff, Trace, diff, load, rank_set, track
 from memtrim.trace.serialize import TraceFormatError, check_writable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,10 +220,9 @@ def _check_target(args: argparse.Namespace) -> None:
 
 def _rank_path(path: str | None, rank: int) -> str | None:
     """``trace.json`` -> ``trace.rank1.json``: one file per rank of a torchrun job."""
-    if path is None:
-        return None
-    root, ext = os.path.splitext(path)
-    return f"{root}.rank{rank}{ext}"
+    from memtrim.trace.ranks import rank_path
+
+    return None if path is None else rank_path(path, rank)
 
 
 def _per_rank(args: argparse.Namespace) -> tuple[int, int]:
@@ -352,9 +351,40 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+DIFF_USAGE = (
+    "memtrim diff [options] BEFORE AFTER\n"
+    "       memtrim diff [options] BEFORE.rank0.json BEFORE.rank1.json ... -- AFTER.rank0.json ..."
+)
+SETS_HINT = (
+    "memtrim diff BEFORE AFTER for two traces; for two torchrun jobs, their rank traces with -- between: "
+    "memtrim diff before.rank0.json before.rank1.json -- after.rank0.json after.rank1.json "
+    "(or the base names given to -o: memtrim diff before.json after.json)"
+)
+
+
+def _diff_sides(args: argparse.Namespace) -> tuple[list[str], list[str], bool]:
+    """The files before and after, and whether they are two jobs' rank traces: given with ``--``
+    between, or as base names (``before.json``, no such file) whose ``before.rank*.json`` exist."""
+    if args.after_set is not None:
+        sides, sets = (args.traces, args.after_set), True
+        for side, words in zip(("before", "after"), sides, strict=True):
+            if not words:
+                raise UsageError(f"no trace {side} --; {SETS_HINT}")
+    elif len(args.traces) == 2:
+        sides, sets = ([args.traces[0]], [args.traces[1]]), False
+    else:
+        raise UsageError(f"{len(args.traces)} traces given; {SETS_HINT}")
+    found = [[name for _, name in rank_set(words)] for words in sides]
+    sets = sets or any(names != list(words) for names, words in zip(found, sides, strict=True))
+    return found[0], found[1], sets
+
+
 def _diff(args: argparse.Namespace) -> int:
     _check_output("--html", args.html)
-    before, after = _load(args.before), _load(args.after)
+    before_files, after_files, sets = _diff_sides(args)
+    if sets:
+        return _diff_sets(args, before_files, after_files)
+    before, after = _load(before_files[0]), _load(after_files[0])
     with progress("comparing the traces"):
         result = diff(before, after)
     if args.json:
@@ -368,6 +398,32 @@ def _diff(args: argparse.Namespace) -> int:
 
         write_text(args.html, result.html())
         print(f"memtrim: wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def _diff_sets(args: argparse.Namespace, before_files: list[str], after_files: list[str]) -> int:
+    """Two torchrun jobs, rank by rank (ranks paired by the rank each trace recorded)."""
+    from memtrim.analysis.rankdiff import RankSetError, diff_rank_sets
+
+    if args.html:
+        raise UsageError(
+            "--html draws two traces, not two sets of ranks; draw one rank of each job "
+            "(memtrim diff before.rank1.json after.rank1.json --html FILE), or use --markdown or --json"
+        )
+    before = [_load(path) for path in before_files]
+    after = [_load(path) for path in after_files]
+    try:
+        with progress("comparing the ranks"):
+            analyses = [t.analysis for t in before], [t.analysis for t in after]
+            result = RanksDiff(diff_rank_sets(*analyses, names=(before_files, after_files)))
+    except RankSetError as exc:
+        raise UsageError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    elif args.markdown:
+        print(result.markdown(top=args.top))
+    else:
+        print(result.report(top=args.top))
     return 0
 
 
@@ -450,14 +506,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_views(export)
     export.set_defaults(handler=_export)
 
-    compare = sub.add_parser("diff", help="compare two saved traces (before, after)")
-    compare.add_argument("before")
-    compare.add_argument("after")
+    compare = sub.add_parser(
+        "diff",
+        usage=DIFF_USAGE,
+        help="compare two saved traces (before, after), or two torchrun jobs' rank traces rank by rank",
+        description="Compare two traces, or two torchrun jobs rank by rank: give each job's rank traces "
+        "with -- between the jobs (ranks are paired by the rank each trace recorded), or the base names "
+        "given to memtrim run -o (before.json for before.rank0.json, before.rank1.json, ...).",
+    )
+    compare.add_argument("traces", nargs="*", metavar="TRACE", help=argparse.SUPPRESS)
     compare.add_argument("--markdown", action="store_true", help="print Markdown for a pull request")
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
     compare.add_argument("--html", metavar="FILE", help="write both timelines and the tables as HTML")
     compare.add_argument("--top", type=rows, default=10, help="lines listed (default 10)")
-    compare.set_defaults(handler=_diff)
+    compare.set_defaults(handler=_diff, after_set=None)
 
     demo = sub.add_parser("demo", help="run a built-in case: heads (default), gsq or gpt")
     demo.add_argument("case", nargs="?", choices=["heads", "gsq", "gpt"], default="heads")
@@ -505,6 +567,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.args = program
         else:
             args.script, args.args = (program[0], program[1:]) if program else (None, [])
+        return args
+    if words[:1] == ["diff"] and "--" in words:
+        # two jobs' rank traces: BEFORE... -- AFTER...; options may stand on either side
+        cut = words.index("--")
+        args, after = parser.parse_args(words[:cut]), parser.parse_args(["diff", *words[cut + 1 :]])
+        unset = vars(parser.parse_args(["diff"]))
+        args.__dict__.update({k: v for k, v in vars(after).items() if k != "traces" and v != unset[k]})
+        args.after_set = after.traces
         return args
     return parser.parse_args(words)
 

@@ -47,10 +47,10 @@ def render_text(d: TraceDiff, *, top: int = 10) -> str:
     if d.empty:
         return f"memtrim diff: no differences (peak {format_bytes(d.peak[0])} in both)"
     out = [f"memtrim diff: peak {_pair(*d.peak)}"]
-    if d.by_phase:
-        out.append(
-            "  by phase:  " + ";  ".join(f"{p} {_pair(*v)}" for p, v in d.by_phase.items() if v[0] != v[1])
-        )
+    phases = [f"{p} {_pair(*v)}" for p, v in d.by_phase.items() if v[0] != v[1]]
+    if phases:  # one line when it fits the width, else one phase a line
+        line = "  by phase:  " + ";  ".join(phases)
+        out += [line] if len(line) <= WIDTH else ["  by phase:", *(f"    {p}" for p in phases)]
     changed_roles = {r: v for r, v in d.by_role.items() if v[0] != v[1]}
     if changed_roles:
         out.append("")
