@@ -1,7 +1,7 @@
 """Programs run on each rank of a small gloo world (tests/test_distributed_ranks.py spawns them).
 
 Each rank initialises a gloo process group on localhost and runs, in one process (so that a test pays
-for one spawn): an FSDP2 training step, a DDP training step and a few collectives, each under
+for one spawn): FSDP2 training steps, DDP training steps and a few collectives, each under
 torch.profiler and memtrim at once. What the tests compare goes to ``<out>/rank<r>.json``: memtrim's
 per-rank peak and events, the profiler's, and sizes from the program's own tensors.
 """
@@ -128,6 +128,23 @@ def _roles(trace: Any) -> dict[str, int]:
     return found
 
 
+def diagnoses(trace: Any) -> list[dict[str, Any]]:
+    """What the doctor says of a rank's trace, as JSON."""
+    return [
+        {
+            "rule": d.rule,
+            "peak_before": d.peak_before,
+            "peak_after": d.peak_after,
+            "site": d.site.text() if d.site else None,
+            "module": d.module,
+            "fix": d.fix,
+            "problem": d.problem,
+            "bytes_at_stake": d.bytes_at_stake,
+        }
+        for d in trace.diagnoses()
+    ]
+
+
 def fsdp_model(
     mesh: Any = None, reshard_after_forward: bool | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -170,19 +187,7 @@ def fsdp_reshard_step(rank: int, reshard_after_forward: bool) -> dict[str, Any]:
     # block made before it started when an earlier profile saw that address allocated (a later FSDP
     # model in this process), a free memtrim rightly leaves out of the region's bytes
     result = measure_settled(lambda: train_step(model, optimizer, x), before=optimizer.zero_grad)
-    result["diagnoses"] = [
-        {
-            "rule": d.rule,
-            "peak_before": d.peak_before,
-            "peak_after": d.peak_after,
-            "site": d.site.text() if d.site else None,
-            "module": d.module,
-            "fix": d.fix,
-            "problem": d.problem,
-            "bytes_at_stake": d.bytes_at_stake,
-        }
-        for d in result.pop("trace").diagnoses()
-    ]
+    result["diagnoses"] = diagnoses(result.pop("trace"))
     result["unsharded_bytes"] = sum(nbytes(p) for p in Mlp().parameters())
     return result
 
@@ -222,6 +227,31 @@ def ddp_step(rank: int) -> dict[str, Any]:
     return result
 
 
+def ddp_bucket_view_step(rank: int, view: bool) -> dict[str, Any]:
+    """A DDP step with Adam (forward, backward, step, ``zero_grad()``) on ``Mlp(64)``, the model wrapped
+    with ``gradient_as_bucket_view=view``, and what the doctor says of it. With ``False`` each
+    gradient autograd makes lives on beside its copy in DDP's bucket; with ``True`` ``.grad`` is the
+    bucket's view and the gradient autograd made is freed once copied in."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Mlp(64), gradient_as_bucket_view=view)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)  # its state exists from the first step on
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(x).sum().backward()  # BUCKET_VIEW_LINE
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # DDP rebuilds its buckets in the second step's forward, in the order grads came
+    step()
+    result = measure_settled(step)
+    result["diagnoses"] = diagnoses(result.pop("trace"))
+    result["parameter_bytes"] = sum(nbytes(p) for p in model.parameters())
+    return result
+
+
 def collectives(rank: int) -> dict[str, Any]:
     """A functional all-gather (its output is a new buffer, alive until it is waited on and dropped)
     and a DTensor op that issues a collective inside torch (clip_grad_norm_ over sharded gradients)."""
@@ -251,6 +281,8 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "fsdp_kept": fsdp_reshard_step(rank, False),
         "fsdp_resharded": fsdp_reshard_step(rank, True),
         "ddp": ddp_step(rank),
+        "ddp_copies": ddp_bucket_view_step(rank, False),
+        "ddp_views": ddp_bucket_view_step(rank, True),
         "collectives": collectives(rank),
     }
     for step in result.values():

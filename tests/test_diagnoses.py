@@ -34,6 +34,7 @@ def test_rules_are_a_registry() -> None:
         "checkpoint-candidates",
         "optimizer-step",
         "fsdp-reshard-after-forward",
+        "ddp-gradient-as-bucket-view",
     }
 
 

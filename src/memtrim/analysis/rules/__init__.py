@@ -7,8 +7,9 @@
 - ``checkpoint-candidates`` (:mod:`.checkpoint`)
 - ``optimizer-step`` (:mod:`.optimizer`)
 - ``fsdp-reshard-after-forward`` (:mod:`.fsdp`)
+- ``ddp-gradient-as-bucket-view`` (:mod:`.ddp`)
 """
 
-from memtrim.analysis.rules import checkpoint, elementwise, fsdp, kept, loss, optimizer
+from memtrim.analysis.rules import checkpoint, ddp, elementwise, fsdp, kept, loss, optimizer
 
-__all__ = ["checkpoint", "elementwise", "fsdp", "kept", "loss", "optimizer"]
+__all__ = ["checkpoint", "ddp", "elementwise", "fsdp", "kept", "loss", "optimizer"]
