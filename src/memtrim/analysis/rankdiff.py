@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from memtrim.analysis.analysis import Analysis
 from memtrim.analysis.diff import TraceDiff, diff
 from memtrim.analysis.roles import Role
+from memtrim.trace.ranks import RecordedRank, recorded_rank
 
-WORLD = "distributed"  # TraceLog.metadata key the recorder writes (memtrim.capture.distributed.WORLD)
 SIDES = ("before", "after")
 
 
@@ -76,19 +76,9 @@ class RankSetDiff:
         return len(self.ranks) < self.world_size
 
 
-def rank_and_world(analysis: Analysis) -> tuple[int, int | None, str | None] | None:
+def rank_and_world(analysis: Analysis) -> RecordedRank | None:
     """(rank, world size, run id) as the trace recorded them; None for a trace of one process."""
-    world = analysis.log.metadata.get(WORLD)
-    if not isinstance(world, dict):
-        return None
-    rank, size, run = world.get("rank"), world.get("world_size"), world.get("run_id")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        return None
-    return (
-        rank,
-        size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None,
-        run if isinstance(run, str) else None,
-    )
+    return recorded_rank(analysis.log.metadata)
 
 
 def _ranks(text: Sequence[int]) -> str:

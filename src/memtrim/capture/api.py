@@ -17,6 +17,7 @@ from memtrim.capture.fork import PID_KEY
 from memtrim.capture.recorder import Recorder
 from memtrim.capture.steps import StepWindow
 from memtrim.trace.model import TraceLog
+from memtrim.trace.ranks import WORLD
 
 # Trackers open right now (outermost first), so that an inner one resetting CUDA's peak statistic
 # first hands the current peak to the outer ones.
@@ -67,7 +68,7 @@ def _note_world(trace: TraceLog, at_start: dict[str, object] | None) -> None:
     """Which rank of which world the trace is (``trace.metadata["distributed"]``)."""
     found = distributed.world() or at_start
     if found is not None:
-        trace.metadata.setdefault(distributed.WORLD, found)
+        trace.metadata.setdefault(WORLD, found)
 
 
 def _window_cuda(trace: TraceLog) -> dict[str, Callable[[], None]]:

@@ -248,10 +248,6 @@ def world_from_environment() -> dict[str, Any] | None:
     return found
 
 
-WORLD = "distributed"
-"""``TraceLog.metadata`` key: ``{"rank": int, "world_size": int, "backend": str, "run_id": str}``."""
-
-
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """Make this process rank ``rank`` of a world of ``world_size`` that exists only here: the default

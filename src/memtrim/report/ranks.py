@@ -9,16 +9,14 @@ from collections.abc import Sequence
 from memtrim.analysis import Analysis, Breakdown
 from memtrim.report import terminal
 from memtrim.report.escape import safe
+from memtrim.trace.ranks import recorded_rank
 from memtrim.units import format_bytes
-
-WORLD = "distributed"  # TraceLog.metadata key the recorder writes (memtrim.capture.distributed.WORLD)
 
 
 def rank_of(analysis: Analysis, fallback: int) -> int:
     """The rank recorded in the trace (``fallback``, its place in the list, when none was)."""
-    world = analysis.log.metadata.get(WORLD)
-    rank = world.get("rank") if isinstance(world, dict) else None
-    return rank if isinstance(rank, int) else fallback
+    found = recorded_rank(analysis.log.metadata)
+    return found.rank if found is not None else fallback
 
 
 def _roles_at_peak(breakdown: Breakdown) -> dict[str, int]:

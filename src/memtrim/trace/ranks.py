@@ -1,10 +1,41 @@
-"""The file names of a torchrun job's traces: ``trace.json`` is written as ``trace.rank0.json``,
-``trace.rank1.json``, ... (one per process), and a base name finds them again."""
+"""A torchrun job's traces: which rank a trace recorded itself as (``metadata["distributed"]``), and
+their file names (``trace.json`` is written as ``trace.rank0.json``, ``trace.rank1.json``, ..., one per
+process; a base name finds them again)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+WORLD = "distributed"
+"""``TraceLog.metadata`` key: ``{"rank": int, "world_size": int, "backend": str, "run_id": str}``."""
+
+
+class RecordedRank(NamedTuple):
+    """Which rank of which job a trace is, as it recorded (world size and run id where known)."""
+
+    rank: int
+    world_size: int | None
+    run_id: str | None
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def recorded_rank(metadata: Mapping[str, Any]) -> RecordedRank | None:
+    """The rank a trace's metadata names; None for a trace of one process (or a damaged entry)."""
+    world = metadata.get(WORLD)
+    if not isinstance(world, dict):
+        return None
+    rank, size, run = _count(world.get("rank")), _count(world.get("world_size")), world.get("run_id")
+    if rank is None or rank < 0:
+        return None
+    return RecordedRank(
+        rank, size if size is not None and size > 0 else None, run if isinstance(run, str) else None
+    )
 
 
 def rank_path(path: str, rank: int) -> str:
