@@ -7,8 +7,9 @@
 - ``checkpoint-candidates`` (:mod:`.checkpoint`)
 - ``optimizer-step`` (:mod:`.optimizer`)
 - ``fsdp-reshard-after-forward`` (:mod:`.fsdp`)
+- ``all-gather-saved-for-backward`` (:mod:`.gather`)
 """
 
-from memtrim.analysis.rules import checkpoint, elementwise, fsdp, kept, loss, optimizer
+from memtrim.analysis.rules import checkpoint, elementwise, fsdp, gather, kept, loss, optimizer
 
-__all__ = ["checkpoint", "elementwise", "fsdp", "kept", "loss", "optimizer"]
+__all__ = ["checkpoint", "elementwise", "fsdp", "gather", "kept", "loss", "optimizer"]
