@@ -274,6 +274,77 @@ def collectives(rank: int) -> dict[str, Any]:
     return result
 
 
+SP_TOKENS, SP_DIM, SP_LAYERS = 64, 512, 3
+"""The sequence-parallel program: 64 tokens split over the ranks, 512 features, 3 layers."""
+
+
+def sp_layer(shard: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
+    """A sequence-parallel token-mixing layer: all-gather every rank's tokens (``[tokens, dim]``, world
+    times this rank's ``shard``) and mix them into this rank's rows (``mixing`` is this rank's rows of a
+    ``[tokens, tokens]`` weight). The matmul saves the gathered tensor for ``mixing``'s gradient."""
+    import torch.distributed._functional_collectives as funcol
+
+    gathered = funcol.all_gather_single_autograd(shard, 0, dist.group.WORLD)  # SP_GATHER_LINE
+    return mixing @ gathered  # SP_MIX_LINE
+
+
+def sequence_parallel_step(rank: int, checkpointed: bool) -> dict[str, Any]:
+    """:data:`SP_LAYERS` of :func:`sp_layer` and a loss, forward and backward, as written
+    (``checkpointed`` False: each layer's gathered tensor is saved from forward through backward) or
+    with each layer in ``torch.utils.checkpoint.checkpoint`` (only its input shard is kept; the
+    all-gather runs again in backward); what the doctor says, and a digest of the gradients."""
+    import hashlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    world = dist.get_world_size()
+    rows = SP_TOKENS // world
+    generator = torch.Generator().manual_seed(rank)
+    mixing = [
+        nn.Parameter(torch.randn(rows, SP_TOKENS, generator=generator) / SP_TOKENS**0.5)
+        for _ in range(SP_LAYERS)
+    ]
+    x = torch.randn(rows, SP_DIM, generator=generator)
+
+    def step() -> None:
+        h = x
+        for w in mixing:
+            h = checkpoint(sp_layer, h, w, use_reentrant=False) if checkpointed else sp_layer(h, w)
+        h.pow(2).sum().backward()
+
+    def zero_grad() -> None:
+        for w in mixing:
+            w.grad = None
+
+    result = measure_settled(step, before=zero_grad)
+    result["diagnoses"] = _diagnoses(result.pop("trace"))
+    gradients = b"".join(w.grad.numpy().tobytes() for w in mixing if w.grad is not None)
+    result["gradients"] = hashlib.sha256(gradients).hexdigest()
+    result["gathered_bytes"] = SP_TOKENS * SP_DIM * 4
+    result["shard_bytes"] = nbytes(x)
+    return result
+
+
+def _diagnoses(trace: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "rule": d.rule,
+            "peak_before": d.peak_before,
+            "peak_after": d.peak_after,
+            "site": d.site.text() if d.site else None,
+            "sites": [s.text() for s in d.sites],
+            "module": d.module,
+            "fix": d.fix,
+            "problem": d.problem,
+            "cost": d.cost,
+            "verify_mode": d.verify_mode,
+            "bytes_at_stake": d.bytes_at_stake,
+            "allocations": [a.id for a in d.allocations],
+        }
+        for d in trace.diagnoses()
+    ]
+
+
 def all_steps(rank: int, world: int, port: int, out: str) -> None:
     init(rank, world, port)
     result = {
@@ -284,6 +355,8 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "ddp_copies": ddp_bucket_view_step(rank, False),
         "ddp_views": ddp_bucket_view_step(rank, True),
         "collectives": collectives(rank),
+        "sp_gathered": sequence_parallel_step(rank, checkpointed=False),
+        "sp_checkpointed": sequence_parallel_step(rank, checkpointed=True),
     }
     for step in result.values():
         step.pop("trace", None)

@@ -184,3 +184,19 @@ def test_checkpoint_keeps_an_rng_state_that_is_counted() -> None:
     assert [a.bytes for a in states] == [state, state]  # saved in forward, and fork_rng's in backward
     assert [a.phase for a in states] == ["forward", "backward"]
     assert x.grad is not None
+
+
+def test_an_rng_state_made_just_after_a_free_is_counted() -> None:
+    # A storage freed since the last op is ticked at the next event; an RNG state taken before that
+    # may get the freed storage's key (the allocator hands the same address back): it is a new
+    # allocation all the same (checkpoint's backward takes one right after the engine drops tensors).
+    state = torch.get_rng_state().numel()
+
+    def program() -> None:
+        for _ in range(20):
+            t = torch.ones(state, dtype=torch.uint8) + 1
+            del t
+            torch.get_rng_state()
+
+    trace = agrees(program)
+    assert len([a for a in trace.allocations if a.op == "torch.get_rng_state"]) == 20

@@ -26,6 +26,7 @@ class InPlace(ScaledDifference):
 def test_rules_are_a_registry() -> None:
     assert set(DIAGNOSES) == {
         "logits-cross-entropy",
+        "all-gather-saved-for-backward",
         "upcast-copy",
         "kept-output",
         "cache-in-training",

@@ -21,7 +21,10 @@ collective's buffers are, what FSDP2 and DDP use storages as, and which rank a t
 - **gloo's reduce-scatter** works on a clone of its input, made inside the op where no dispatch mode
   sees it (``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` all-reduces the clone, and the work's
   ``wait()`` copies this rank's chunk out). It is recorded as made by the collective; the clone is
-  claimed when it is first seen (the chunk the wait copies from), so its free is observed too.
+  claimed when it is first seen (the chunk the wait copies from), so its free is observed too. A
+  functional reduce-scatter (``_c10d_functional.reduce_scatter_tensor``: the backward of
+  ``all_gather_single_autograd``) waits inside ``wait_tensor``, where no mode sees the copy: its clone
+  is freed when its output is waited on.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ class Listener(Protocol):
 
     def tag_storage(self, t: torch.Tensor, fact: Fact) -> None: ...
     def phase_of(self, seq: int) -> Phase: ...
-    def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None: ...
+    def made_unseen(
+        self, like: torch.Tensor, fact: Fact, seq: int, held_by: torch.Tensor | None = None
+    ) -> None: ...
+    def waited(self, t: torch.Tensor, seq: int) -> None: ...
     def record_outputs(self, out: Any, seq: int) -> None: ...
     def describe(self, t: torch.Tensor) -> None: ...
 
@@ -110,9 +116,15 @@ def _tag_all(rec: Listener, value: Any, fact: Fact) -> None:
 
 
 def _clones_input(process_group: Any, t: torch.Tensor) -> bool:
-    """Whether the backend that reduce-scatters ``t`` for ``process_group`` is gloo (which clones it)."""
+    """Whether the backend that reduce-scatters ``t`` for ``process_group`` (boxed, or a functional
+    collective's group name) is gloo (which clones it)."""
     try:
-        group = torch._C._distributed_c10d.ProcessGroup.unbox(process_group)
+        if isinstance(process_group, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(process_group)  # type: ignore[arg-type]
+        else:
+            group = torch._C._distributed_c10d.ProcessGroup.unbox(process_group)
         backend = group._get_backend(t.device)
         return isinstance(backend, torch.distributed.ProcessGroupGloo)
     except Exception:  # no gloo in this build, a group without that device, a fake group
@@ -160,6 +172,24 @@ def _functional_gather(rec: Listener, args: Any, kwargs: dict[str, Any], out: An
     _tag_all(rec, out, Fact.ALL_GATHER_BUFFER)
 
 
+def _functional_reduce_scatter(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
+    # _c10d_functional::reduce_scatter_tensor(Tensor input, str reduce_op, int group_size,
+    # str group_name) -> Tensor (all_gather_single_autograd's backward): a new output; gloo
+    # reduce-scatters a clone of the input, which the work holds until the output is waited on
+    rec.record_outputs(out, seq)
+    inputs = list(_tensors(args[0]))
+    for t in inputs:
+        rec.tag_storage(t, Fact.REDUCE_SCATTER_BUFFER)
+    if inputs and isinstance(out, _Tensor) and _clones_input(args[3], inputs[0]):
+        rec.made_unseen(inputs[0], Fact.REDUCE_SCATTER_BUFFER, seq, held_by=out)
+
+
+def _functional_wait(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
+    # _c10d_functional::wait_tensor(Tensor tensor) -> Tensor: the work is done and released
+    for t in _tensors(args[0]):
+        rec.waited(t, seq)
+
+
 AFTER_OPS: dict[str, After] = {
     "c10d._allgather_base_.default": _all_gather_into_tensor,
     "c10d.allgather_into_tensor_coalesced_.default": _all_gather_into_tensors,
@@ -169,6 +199,8 @@ AFTER_OPS: dict[str, After] = {
     "fsdp.split_with_sizes_copy.default": _fsdp_copy_out,
     "_c10d_functional.all_gather_into_tensor.default": _functional_gather,
     "_c10d_functional.all_gather_into_tensor_coalesced.default": _functional_gather,
+    "_c10d_functional.reduce_scatter_tensor.default": _functional_reduce_scatter,
+    "_c10d_functional.wait_tensor.default": _functional_wait,
 }
 """By op name (``str(func)``): what the recorder reads after the op ran."""
 

@@ -211,6 +211,9 @@ class Recorder(DetachableMode):
         # blocks a collective made where no mode sees them (gloo's reduce-scatter clone), each
         # (bytes, dtype, device, row) until its storage is first seen
         self._unseen: list[tuple[int, Any, Any, int]] = []
+        # blocks a functional collective's work holds until its output is waited on (gloo's clone of
+        # a functional reduce-scatter's input): the output's storage key -> their rows
+        self._until_wait: dict[int, list[int]] = {}
         self._call_site: Site | None = None  # the call site of the op whose after-hook is running
         self._open = True
 
@@ -609,13 +612,25 @@ class Recorder(DetachableMode):
         if row.dtype is torch.uint8 and row.shape == (row.bytes,) and t.nbytes == row.bytes:
             self._rows[watch.index] = row._replace(dtype=t.dtype, shape=t.shape, device=t.device)
 
-    def made_unseen(self, like: torch.Tensor, fact: Fact, seq: int) -> None:
+    def made_unseen(
+        self, like: torch.Tensor, fact: Fact, seq: int, held_by: torch.Tensor | None = None
+    ) -> None:
         """A block shaped like ``like`` that the op made where no mode sees it; its storage is claimed
-        when first seen, so that its free is observed."""
+        when first seen, so that its free is observed. ``held_by``: a functional collective's output
+        whose wait frees it (its storage is never seen): freed when that output is waited on."""
         nbytes = like.untyped_storage().nbytes()
         index = self._new_allocation(like, nbytes, seq, self._call_site)
         self._recorded.add_fact(index, fact)
-        self._unseen.append((nbytes, like.dtype, like.device, index))
+        if held_by is None:
+            self._unseen.append((nbytes, like.dtype, like.device, index))
+        else:
+            self._until_wait.setdefault(held_by.untyped_storage()._cdata, []).append(index)
+
+    def waited(self, t: torch.Tensor, seq: int) -> None:
+        """A functional collective's output ``t`` was waited on: the blocks its work held are freed."""
+        rows = self._until_wait.pop(t.untyped_storage()._cdata, ())
+        for index in rows:
+            self._recorded.frees[index] = FreeRow(next(self._clock), self._ops[seq].phase)
 
     def _claim_unseen(self, t: torch.Tensor, storage: Any) -> _StorageWatch | None:
         nbytes = storage.nbytes()
@@ -745,6 +760,8 @@ class Recorder(DetachableMode):
         """A tensor made below the dispatcher (``torch.get_rng_state``): a new allocation."""
         if not self._open or type(tensor) is not _Tensor:
             return
+        if self._freed:  # a storage freed since the last op may have left its key to this new one
+            self._drain_frees()
         storage = tensor.untyped_storage()
         if storage._cdata in self._watches or not storage.nbytes():
             return

@@ -8,8 +8,9 @@
 - ``optimizer-step`` (:mod:`.optimizer`)
 - ``fsdp-reshard-after-forward`` (:mod:`.fsdp`)
 - ``ddp-gradient-as-bucket-view`` (:mod:`.ddp`)
+- ``all-gather-saved-for-backward`` (:mod:`.gather`)
 """
 
-from memtrim.analysis.rules import checkpoint, ddp, elementwise, fsdp, kept, loss, optimizer
+from memtrim.analysis.rules import checkpoint, ddp, elementwise, fsdp, gather, kept, loss, optimizer
 
-__all__ = ["checkpoint", "ddp", "elementwise", "fsdp", "kept", "loss", "optimizer"]
+__all__ = ["checkpoint", "ddp", "elementwise", "fsdp", "gather", "kept", "loss", "optimizer"]

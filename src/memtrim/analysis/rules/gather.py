@@ -1,0 +1,216 @@
+"""An all-gathered activation that autograd saves for backward (``all-gather-saved-for-backward``).
+
+Tensor- and sequence-parallel code all-gathers an activation shard in forward
+(``all_gather_single_autograd``, ``dist.all_gather_into_tensor``, a DTensor redistributed from
+``Shard`` to ``Replicate``) and a matmul reads the gathered tensor: autograd saves it, world size times
+the shard, from forward through backward. Megatron-LM's sequence parallelism keeps only the shard and
+all-gathers again in backward; in plain PyTorch that is ``torch.utils.checkpoint.checkpoint`` around
+the gather and the ops that read it (checkpoint keeps its input, the shard, and reruns the gather when
+backward needs the gathered tensor).
+
+FSDP2's own all-gathers are not this rule's: their flat buffer is never saved, and the unsharded
+parameters copied out of it (``unsharded_parameter``) are ``fsdp-reshard-after-forward``'s.
+
+The what-if follows ``torch.utils.checkpoint`` (non-reentrant, with its default early stop): the
+gathered tensor is freed after its last forward read; when backward reaches the node that first reads
+it, the gather runs again (the recompute stops once the tensors backward needs are saved again, which
+for a gather read by a matmul is the gather itself) and the new gathered tensor lives until the
+recorded one was freed. The shard stays alive until then (checkpoint holds it). On the CPU, checkpoint
+also keeps the generator's state per call from forward until backward and takes it once more around
+the recompute (``preserve_rng_state=True``, the default): those are added too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memtrim.analysis.categories import Category
+from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
+from memtrim.analysis.roles import Role
+from memtrim.analysis.rules.common import dims, lines_text, where
+from memtrim.analysis.whatif import Added, Edits
+from memtrim.trace.model import Allocation, Fact, Phase, Site
+from memtrim.units import format_bytes
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
+
+MADE_BY_GATHER = frozenset(
+    {
+        "_c10d_functional.all_gather_into_tensor.default",
+        "_c10d_functional.all_gather_into_tensor_coalesced.default",
+    }
+)
+"""Functional all-gathers: the gathered tensor is the op's new output."""
+WRITTEN_BY_GATHER = frozenset(
+    {"c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default"}
+)
+"""c10d all-gathers into a tensor the caller allocated (``dist.all_gather_into_tensor(out, shard)``)."""
+RNG_STATE_BYTES = 5056
+"""``torch.get_rng_state()``: the CPU generator's state, which checkpoint keeps per call."""
+SMALL = 0.5
+"""The shard is at most this share of the gathered tensor (a world of 2 ranks or more)."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One all-gather whose output autograd saved: the gathered tensor, the shard, and the ops."""
+
+    gathered: Allocation
+    shard: Allocation
+    gather: int
+    """The collective's op number."""
+    last_forward_read: int
+    backward_start: int
+    """The first op of the backward node that first reads the gathered tensor (where checkpoint
+    recomputes)."""
+
+
+WAIT = "_c10d_functional.wait_tensor.default"
+
+
+def _gather_op(analysis: Analysis, a: Allocation) -> int | None:
+    """The all-gather that made or wrote ``a``, when one did (under fake tensors, ``wait_tensor``
+    returns a new tensor: then the all-gather that made what it waited on)."""
+    flow, ops = analysis.flow, analysis.flow.ops
+    seq = flow.producer[a.id]
+    if seq >= 0 and ops[seq].op == WAIT and len(ops[seq].inputs) == 1:
+        seq = flow.producer[ops[seq].inputs[0]]
+    if seq >= 0 and ops[seq].op in MADE_BY_GATHER:
+        return seq
+    return next((r for r in flow.readers[a.id] if ops[r].op in WRITTEN_BY_GATHER), None)
+
+
+def _node_start(analysis: Analysis, seq: int) -> int:
+    """The first op of the backward node whose op ``seq`` is (the node's ops run one after another):
+    the node unpacks every tensor it saved before its first op runs."""
+    ops = analysis.flow.ops
+    node = ops[seq].node
+    while node is not None and seq > 0 and ops[seq - 1].phase is Phase.BACKWARD and ops[seq - 1].node == node:
+        seq -= 1
+    return seq
+
+
+def _call(analysis: Analysis, a: Allocation) -> _Call | None:
+    """``a`` as an all-gather's saved output the rule applies to, or None."""
+    if a.preexisting or analysis.category(a) is not Category.SAVED or a.id not in analysis.alive_ids_at_peak:
+        return None
+    if Fact.UNSHARDED_PARAMETER in a.facts or analysis.role(a) is Role.UNSHARDED_PARAMETER:
+        return None  # FSDP2's parameters: fsdp-reshard-after-forward's
+    gather = _gather_op(analysis, a)
+    flow, ops = analysis.flow, analysis.flow.ops
+    if gather is None or ops[gather].phase is not Phase.FORWARD:
+        return None
+    made = set(flow.outputs[gather]) | {a.id}
+    shards = [i for i in dict.fromkeys(ops[gather].inputs) if i not in made]
+    if len(shards) != 1:
+        return None
+    shard = analysis.allocations[shards[0]]
+    if shard.device != a.device or shard.bytes > SMALL * a.bytes:
+        return None  # not a shard of it (a view into a larger storage keeps that storage alive)
+    forward, backward = [], []
+    for r in flow.readers[a.id]:
+        row = ops[r]
+        if row.op.startswith("fsdp."):
+            return None  # FSDP2 copies its own all-gathers out
+        if r == gather:
+            continue
+        if row.phase is Phase.FORWARD:
+            forward.append(r)
+        elif row.phase is Phase.BACKWARD:
+            backward.append(r)
+        else:
+            return None  # read outside forward and backward: checkpoint would not re-gather for it
+    if not forward or not backward or backward[0] < forward[-1]:
+        return None
+    return _Call(a, shard, gather, forward[-1], _node_start(analysis, backward[0]))
+
+
+def _edits(analysis: Analysis, calls: list[_Call]) -> Edits:
+    ops = analysis.flow.ops
+    free_at: dict[int, float | None] = {}
+    added: list[Added] = []
+    for call in calls:
+        a = call.gathered
+        start = ops[call.backward_start].tick
+        free_at[a.id] = ops[call.last_forward_read].tick + 0.5
+        added.append(Added(a.bytes, start - 0.5, a.free_tick))
+        if a.device == "cpu":
+            added.append(Added(RNG_STATE_BYTES, ops[call.gather].tick - 0.5, a.free_tick))
+            added.append(Added(RNG_STATE_BYTES, start - 0.6, start - 0.4))
+        shard = call.shard
+        if shard.free_tick is not None and (a.free_tick is None or shard.free_tick < a.free_tick):
+            free_at[shard.id] = a.free_tick  # checkpoint holds its input until its backward is done
+    return Edits(free_at=free_at, add=tuple(added))
+
+
+@DIAGNOSES.register("all-gather-saved-for-backward")
+def all_gather_saved_for_backward(analysis: Analysis) -> list[Diagnosis]:
+    """All-gathered activations that autograd saves from forward through backward ->
+    ``torch.utils.checkpoint.checkpoint`` around the gather and its readers (keep the shard, gather
+    again in backward)."""
+    by_site: dict[Site | None, list[_Call]] = {}
+    for a in analysis.live_at_peak:
+        if a.facts and Fact.ALL_GATHER_BUFFER not in a.facts:
+            continue  # a parameter, a gradient, ...: what an all-gather writes carries its fact
+        call = _call(analysis, a)
+        if call is not None:
+            by_site.setdefault(analysis.flow.ops[call.gather].site, []).append(call)
+    results = []
+    ops = analysis.flow.ops
+    for site, calls in by_site.items():
+        calls.sort(key=lambda c: c.gather)
+        first = calls[0]
+        gathered, shard = first.gathered, first.shard
+        ratio = gathered.bytes // max(1, shard.bytes)
+        held = sum(c.gathered.bytes for c in calls)
+        readers = [ops[c.last_forward_read].site for c in calls]
+        read_lines = lines_text(s for s in readers if s != site)
+        diagnosis = finding(
+            analysis,
+            rule="all-gather-saved-for-backward",
+            site=site,
+            problem=(
+                f"{len(calls)} all-gather call(s) here: autograd saves the gathered {dims(gathered.shape)} "
+                f"{gathered.dtype} tensor ({ratio}x its {dims(shard.shape)} shard) from forward through "
+                f"backward, {format_bytes(held)} of them alive at the peak"
+            ),
+            fix=(
+                f"torch.utils.checkpoint.checkpoint(fn, shard, use_reentrant=False), fn the all-gather at "
+                f"{where(site)}"
+                + (f" and the ops that read its result ({read_lines})" if read_lines else "")
+                + f": backward keeps the {dims(shard.shape)} shard and all-gathers again (as Megatron-LM's "
+                "sequence parallelism does)"
+            ),
+            allocations=tuple(c.gathered for c in calls),
+            edits=_edits(analysis, calls),
+            safe_because=(
+                f"each tensor is made in forward by an all-gather of a shard {ratio}x smaller, saved by "
+                "autograd, and read again only in backward",
+                "none is FSDP2's (an unsharded parameter, or a buffer FSDP2 copies out): "
+                "fsdp-reshard-after-forward covers those",
+                "checkpoint runs the same all-gather on the same shard again: the same values, so results "
+                "and gradients are bit for bit equal (every rank must checkpoint the same calls: the "
+                "re-gathers in backward are collectives)",
+            ),
+            verify_mode="exact",
+            module=gathered.module,
+            sites=(site, *readers),
+            cost=(
+                f"one more all-gather per call in backward ({len(calls)} in all, {format_bytes(held)} "
+                "gathered)"
+            ),
+            note=(
+                "the what-if frees each gathered tensor after its last forward read and gathers it again "
+                "when backward reaches the node that reads it, until it was freed before"
+                + (
+                    "; so are checkpoint's CPU RNG states (5,056 B per call)"
+                    if gathered.device == "cpu"
+                    else ""
+                )
+            ),
+        )
+        if diagnosis is not None:
+            results.append(diagnosis)
+    return results
