@@ -136,10 +136,14 @@ def diagnoses(trace: Any) -> list[dict[str, Any]]:
             "peak_before": d.peak_before,
             "peak_after": d.peak_after,
             "site": d.site.text() if d.site else None,
+            "sites": [s.text() for s in d.sites],
             "module": d.module,
             "fix": d.fix,
             "problem": d.problem,
+            "cost": d.cost,
+            "verify_mode": d.verify_mode,
             "bytes_at_stake": d.bytes_at_stake,
+            "allocations": [a.id for a in d.allocations],
         }
         for d in trace.diagnoses()
     ]
@@ -317,32 +321,12 @@ def sequence_parallel_step(rank: int, checkpointed: bool) -> dict[str, Any]:
             w.grad = None
 
     result = measure_settled(step, before=zero_grad)
-    result["diagnoses"] = _diagnoses(result.pop("trace"))
+    result["diagnoses"] = diagnoses(result.pop("trace"))
     gradients = b"".join(w.grad.numpy().tobytes() for w in mixing if w.grad is not None)
     result["gradients"] = hashlib.sha256(gradients).hexdigest()
     result["gathered_bytes"] = SP_TOKENS * SP_DIM * 4
     result["shard_bytes"] = nbytes(x)
     return result
-
-
-def _diagnoses(trace: Any) -> list[dict[str, Any]]:
-    return [
-        {
-            "rule": d.rule,
-            "peak_before": d.peak_before,
-            "peak_after": d.peak_after,
-            "site": d.site.text() if d.site else None,
-            "sites": [s.text() for s in d.sites],
-            "module": d.module,
-            "fix": d.fix,
-            "problem": d.problem,
-            "cost": d.cost,
-            "verify_mode": d.verify_mode,
-            "bytes_at_stake": d.bytes_at_stake,
-            "allocations": [a.id for a in d.allocations],
-        }
-        for d in trace.diagnoses()
-    ]
 
 
 def all_steps(rank: int, world: int, port: int, out: str) -> None:

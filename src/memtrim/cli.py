@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrim.api import RanksDiff, Trace, diff, load, rank_set, track
+from memtrim.api import Diff, RanksDiff, Trace, diff, load, rank_set, track
 from memtrim.trace.serialize import TraceFormatError, check_writable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -387,12 +387,7 @@ def _diff(args: argparse.Namespace) -> int:
     before, after = _load(before_files[0]), _load(after_files[0])
     with progress("comparing the traces"):
         result = diff(before, after)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
-    elif args.markdown:
-        print(result.markdown(top=args.top))
-    else:
-        print(result.report(top=args.top))
+    _print_diff(result, args)
     if args.html:
         from memtrim.report.files import write_text
 
@@ -418,13 +413,18 @@ def _diff_sets(args: argparse.Namespace, before_files: list[str], after_files: l
             result = RanksDiff(diff_rank_sets(*analyses, names=(before_files, after_files)))
     except RankSetError as exc:
         raise UsageError(str(exc)) from exc
+    _print_diff(result, args)
+    return 0
+
+
+def _print_diff(result: Diff | RanksDiff, args: argparse.Namespace) -> None:
+    """A comparison as JSON, Markdown or the terminal text, as asked."""
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     elif args.markdown:
         print(result.markdown(top=args.top))
     else:
         print(result.report(top=args.top))
-    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
