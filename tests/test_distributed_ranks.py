@@ -227,13 +227,14 @@ def test_fake_world_of_2_estimates_the_real_gloo_ranks_peak(ranks: list[dict[str
             assert trace.peak_bytes == r["profiler_peak"]
 
 
-def test_fake_world_of_8_shards_a_llama_as_the_arithmetic_says() -> None:
+@pytest.mark.parametrize("world", [8, 64])
+def test_fake_world_shards_a_llama_as_the_arithmetic_says(world: int) -> None:
     import math
 
     from memtrim.analysis import Role
     from memtrim.trace import Phase
 
-    world = 8
+    # at 64 ranks most of the model's 64-row dims are one row a rank (and the 100-row embedding two)
     trace = distributed_programs.fake_llama_trace(world)
     # FSDP2 shards each parameter's dim 0 into world chunks of ceil(dim0 / world) rows, padded
     model = distributed_programs.TinyLlama()
