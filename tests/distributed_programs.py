@@ -150,17 +150,23 @@ def diagnoses(trace: Any) -> list[dict[str, Any]]:
 
 
 def fsdp_model(
-    mesh: Any = None, reshard_after_forward: bool | None = None
+    mesh: Any = None, reshard_after_forward: bool | tuple[bool, ...] | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The MLP with each layer and the root fully_shard'ed, and plain SGD: no ``.item()`` (Adam's step
     count), so the same step runs under fake tensors, and no temporaries made inside DTensor's own
-    dispatch (SGD's momentum makes some), which torch.profiler cannot tell from a kernel's workspace."""
+    dispatch (SGD's momentum makes some), which torch.profiler cannot tell from a kernel's workspace.
+    ``reshard_after_forward``: every layer's, or one per layer."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Mlp()
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    per_layer = (
+        reshard_after_forward
+        if isinstance(reshard_after_forward, tuple)
+        else (reshard_after_forward,) * len(model.layers)
+    )
+    for layer, reshard in zip(model.layers, per_layer, strict=True):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -181,7 +187,7 @@ def fsdp_step(rank: int) -> dict[str, Any]:
     return result
 
 
-def fsdp_reshard_step(rank: int, reshard_after_forward: bool) -> dict[str, Any]:
+def fsdp_reshard_step(rank: int, reshard_after_forward: bool | tuple[bool, ...]) -> dict[str, Any]:
     """The FSDP2 step with each layer's ``reshard_after_forward`` given, and what the doctor says of
     FSDP2's resharding."""
     model, optimizer = fsdp_model(reshard_after_forward=reshard_after_forward)
@@ -335,6 +341,9 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "fsdp": fsdp_step(rank),
         "fsdp_kept": fsdp_reshard_step(rank, False),
         "fsdp_resharded": fsdp_reshard_step(rank, True),
+        # the fix as the finding names it: layer 0 alone (layer 1's prefetched all-gather is as large
+        # as its parameters, and layer 2's own backward is the peak)
+        "fsdp_named": fsdp_reshard_step(rank, (True, False, False)),
         "ddp": ddp_step(rank),
         "ddp_copies": ddp_bucket_view_step(rank, False),
         "ddp_views": ddp_bucket_view_step(rank, True),

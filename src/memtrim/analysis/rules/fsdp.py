@@ -15,11 +15,17 @@ this module's all-gather into a buffer the size of the forward's, which lives un
 pre-backward copies it out into the unsharded parameters again; a module no other prefetches (the
 last in forward order) all-gathers for itself at its pre-backward. The re-gathered parameters are
 freed where the recorded ones were.
+
+Only the modules the what-if needs are named: a call whose edits leave the what-if peak where it is
+without them is left out. That leaves out FSDP2's root when the loss is computed inside the model (its
+backward starts as its forward ends: resharding it costs an all-gather and saves nothing), and names it
+where a loss outside the model runs between the two.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,37 +124,71 @@ def _kept_through_backward(analysis: Analysis, unit: _Unit) -> bool:
     return True
 
 
+_Plan = tuple[dict[int, float | None], list[Added]]
+"""One module's edits: its unsharded parameters' new frees, and the re-gather's buffers."""
+
+
+def _plan(analysis: Analysis, units: list[_Unit], unit: _Unit) -> _Plan:
+    """FSDP2's schedule with ``reshard_after_forward=True`` for one forward call of a module."""
+    ops = analysis.flow.ops
+    assert unit.backward_start is not None
+    own = ops[unit.backward_start].tick
+    # the prefetcher: the module whose forward ended next and whose backward starts before this one's
+    later = units[units.index(unit) + 1 :]
+    prefetch = next(
+        (
+            ops[u.backward_start].tick
+            for u in later
+            if u.backward_start is not None and u.backward_start < unit.backward_start
+        ),
+        None,
+    )
+    gathered_at = (prefetch if prefetch is not None else own) - 0.4
+    added = [Added(unit.gather_bytes, gathered_at, own - 0.2)]
+    free_at: dict[int, float | None] = {}
+    for a in unit.unsharded:
+        free_at[a.id] = ops[unit.forward_end].tick - 0.5 if unit.forward_end < len(ops) else None
+        added.append(Added(a.bytes, own - 0.3, a.free_tick))
+    return free_at, added
+
+
+def _edits(plans: Iterable[_Plan]) -> Edits:
+    free_at: dict[int, float | None] = {}
+    added: list[Added] = []
+    for frees, adds in plans:
+        free_at.update(frees)
+        added += adds
+    return Edits(free_at=free_at, add=tuple(added))
+
+
+def _needed(analysis: Analysis, kept: list[_Unit], plans: dict[int, _Plan]) -> list[_Unit]:
+    """The forward calls whose resharding the what-if peak needs: each call, the last forward to end
+    first (the root's), is left out where the peak without its edits is no higher (the root, whose
+    backward starts as its forward ends, saves nothing; nor does a module whose parameters are not
+    alive where the peak would be)."""
+    needed = list(kept)
+    best = analysis.peak_with(_edits(plans[id(u)] for u in needed))
+    for unit in reversed(kept):
+        rest = [u for u in needed if u is not unit]
+        if analysis.peak_with(_edits(plans[id(u)] for u in rest)) <= best:
+            needed = rest
+    return needed
+
+
 @DIAGNOSES.register("fsdp-reshard-after-forward")
 def fsdp_reshard_after_forward(analysis: Analysis) -> list[Diagnosis]:
     """FSDP2 modules whose unsharded parameters stay alive from forward through backward ->
     ``fully_shard(module, reshard_after_forward=True)``."""
-    ops = analysis.flow.ops
     units = _units(analysis)
     kept = [u for u in units if _kept_through_backward(analysis, u)]
     if not kept:
         return []
-    free_at: dict[int, float | None] = {}
-    added: list[Added] = []
-    blamed: list[Allocation] = []
-    for unit in kept:
-        assert unit.backward_start is not None
-        own = ops[unit.backward_start].tick
-        # the prefetcher: the module whose forward ended next and whose backward starts before this one's
-        later = units[units.index(unit) + 1 :]
-        prefetch = next(
-            (
-                ops[u.backward_start].tick
-                for u in later
-                if u.backward_start is not None and u.backward_start < unit.backward_start
-            ),
-            None,
-        )
-        gathered_at = (prefetch if prefetch is not None else own) - 0.4
-        added.append(Added(unit.gather_bytes, gathered_at, own - 0.2))
-        for a in unit.unsharded:
-            free_at[a.id] = ops[unit.forward_end].tick - 0.5 if unit.forward_end < len(ops) else None
-            added.append(Added(a.bytes, own - 0.3, a.free_tick))
-            blamed.append(a)
+    plans = {id(unit): _plan(analysis, units, unit) for unit in kept}
+    kept = _needed(analysis, kept, plans)
+    if not kept:
+        return []
+    edits = _edits(plans[id(u)] for u in kept)
+    blamed = [a for unit in kept for a in unit.unsharded]
     first = kept[0]
     modules = list(dict.fromkeys(u.module for u in kept))
     names = [module_expression(m) or m for m in modules]
@@ -163,14 +203,17 @@ def fsdp_reshard_after_forward(analysis: Analysis) -> list[Diagnosis]:
         ),
         fix=f"fully_shard({names[0]}, reshard_after_forward=True)"
         + (f" for each of {', '.join(names)}" if len(names) > 1 else "")
-        + " (the default for every module but the root)",
+        + " (FSDP2's default for every module but the root, which keeps its parameters unless set)",
         allocations=tuple(blamed),
-        edits=Edits(free_at=free_at, add=tuple(added)),
+        edits=edits,
         safe_because=(
             "the parameters are all-gathered again from the same shards before backward reads them: "
             "the same values, so results and gradients are bit for bit equal",
             "each unsharded parameter was made before backward and is alive when its module's backward "
             "starts, and no op reads it between the end of its module's forward and that start",
+            "each module named lowers the what-if peak: one whose resharding would not (the root, whose "
+            "backward starts as its forward ends; a module whose parameters are not alive where the peak "
+            "would be) is left as it is",
         ),
         verify_mode="exact",
         module=first.module,
