@@ -18,12 +18,19 @@ from memtrim.analysis.rules.gather import RNG_STATE_BYTES
 from memtrim.trace.model import Fact, Phase
 
 RULE = "all-gather-saved-for-backward"
-SHARD, GATHERED, OUT, ACT, GRAD_W = 50_000, 100_000, 10_000, 150_000, 20_000
+SHARD, GATHERED, OUT, ACT, GRAD_W, SOURCE = 50_000, 100_000, 10_000, 150_000, 20_000, 30_000
 GATHER = "_c10d_functional.all_gather_into_tensor.default"
 
 
 def _sequence_parallel(
-    *, saved: bool = True, c10d: bool = False, fsdp: bool = False, act: int = ACT, shard: int = SHARD
+    *,
+    saved: bool = True,
+    c10d: bool = False,
+    fsdp: bool = False,
+    act: int = ACT,
+    shard: int = SHARD,
+    freed: Phase | None = Phase.BACKWARD,
+    padded_at: int | None = None,
 ) -> TraceBuilder:
     """One sequence-parallel layer on a CPU rank: an all-gather of a SHARD-byte shard (line 10) into a
     GATHERED-byte tensor, ``saved`` for backward, read by a matmul (line 11, an OUT-byte result), then an
@@ -31,10 +38,20 @@ def _sequence_parallel(
     first op reads the weight only; the second makes the gathered tensor's gradient; the third reads
     the gathered tensor and makes the weight's gradient, kept), after which the gathered tensor is
     freed. ``c10d``: ``dist.all_gather_into_tensor(out, shard)`` into a tensor made by ``empty``;
-    ``fsdp``: the gathered tensor is an FSDP2 unsharded parameter."""
+    ``fsdp``: the gathered tensor is an FSDP2 unsharded parameter; ``freed``: the phase the gathered
+    tensor is freed in (None: alive at the end); ``padded_at``: the shard is a pad (made at that line)
+    of a SOURCE-byte tensor made in forward at line 8 and freed right after the pad, as DTensor pads an
+    uneven shard."""
     b = TraceBuilder()
     weight = b.alloc(4_000, preexisting=True, facts=[Fact.PARAMETER])
-    shard_id = b.alloc(shard, preexisting=True)
+    if padded_at is None:
+        shard_id = b.alloc(shard, preexisting=True)
+    else:
+        b.op("aten.relu.default", phase=Phase.FORWARD, line=8)
+        source = b.alloc(SOURCE)
+        b.op("aten.constant_pad_nd.default", line=padded_at, inputs=(source,))
+        shard_id = b.alloc(shard)
+        b.free(source)
     facts = [Fact.UNSHARDED_PARAMETER] if fsdp else [Fact.ALL_GATHER_BUFFER]
     if c10d:
         b.op("aten.empty.memory_format", phase=Phase.FORWARD, line=9)
@@ -43,6 +60,8 @@ def _sequence_parallel(
     else:
         b.op(GATHER, phase=Phase.FORWARD, line=10, inputs=(shard_id,))
         gathered = b.alloc(GATHERED, saved=saved, facts=facts)
+        if padded_at is not None:
+            b.free(shard_id)
         b.op("_c10d_functional.wait_tensor.default", line=11, inputs=(gathered,))
     b.op("aten.mm.default", line=11, inputs=(weight, gathered))
     out = b.alloc(OUT)
@@ -63,8 +82,12 @@ def _sequence_parallel(
     grad_gathered = b.alloc(GATHERED)
     b.op("aten.mm.default", line=11, node="MmBackward0", inputs=(gathered, grad))
     b.alloc(GRAD_W)
-    b.free(gathered)
+    if freed is Phase.BACKWARD:
+        b.free(gathered)
     b.free(grad, grad_gathered)
+    if freed is not None and freed is not Phase.BACKWARD:
+        b.op("aten.zero_.default", phase=freed, line=13)  # (not reading it: dropped there)
+        b.free(gathered)
     return b
 
 
@@ -107,6 +130,31 @@ def test_silent_on_fsdp2s_unsharded_parameters() -> None:
     trace = analyze(_fsdp_step().build())
     rules = [d.rule for d in trace.diagnoses]
     assert "fsdp-reshard-after-forward" in rules and RULE not in rules
+
+
+@pytest.mark.parametrize("freed", [None, Phase.OPTIMIZER, Phase.OTHER])
+def test_silent_when_the_gathered_tensor_outlives_backward(freed: Phase | None) -> None:
+    # kept by the caller (returned, logged) past backward: checkpoint cannot free what the caller
+    # holds (measured on 2 gloo ranks, bench/doctor_tp.py: checkpointing it raised the peak)
+    assert _findings(_sequence_parallel(freed=freed)) == []
+
+
+def test_a_shard_padded_for_the_gather_keeps_what_it_was_padded_from() -> None:
+    # DTensor pads an uneven shard at the gather's line: checkpoint keeps its input (the unpadded
+    # SOURCE, freed after the pad as recorded) until backward, and pads again when it recomputes
+    (finding,) = _findings(_sequence_parallel(padded_at=10, act=2 * ACT))
+    assert finding.peak_before == GATHERED + OUT + 2 * ACT
+    # the end of forward, the gathered tensor freed: the source is kept (not the pad) with the RNG state
+    assert finding.peak_after == OUT + 2 * ACT + RNG_STATE_BYTES + SOURCE
+    assert "[7500] shard" in finding.problem  # the tensor checkpoint is handed (SOURCE bytes)
+
+
+def test_a_copy_made_at_another_line_is_the_shard() -> None:
+    # made by other code (a previous layer's output copied at line 9): that copy is what checkpoint
+    # is handed and keeps, not what it was copied from
+    (finding,) = _findings(_sequence_parallel(padded_at=9, act=2 * ACT))
+    assert finding.peak_after == OUT + 2 * ACT + RNG_STATE_BYTES + SHARD
+    assert "[12500] shard" in finding.problem
 
 
 def test_silent_when_the_input_is_not_a_shard_of_it() -> None:

@@ -15,9 +15,14 @@ The what-if follows ``torch.utils.checkpoint`` (non-reentrant, with its default 
 gathered tensor is freed after its last forward read; when backward reaches the node that first reads
 it, the gather runs again (the recompute stops once the tensors backward needs are saved again, which
 for a gather read by a matmul is the gather itself) and the new gathered tensor lives until the
-recorded one was freed. The shard stays alive until then (checkpoint holds it). On the CPU, checkpoint
-also keeps the generator's state per call from forward until backward and takes it once more around
-the recompute (``preserve_rng_state=True``, the default): those are added too.
+recorded one was freed. The shard stays alive until then (checkpoint holds it): the gather's input,
+or, where that is a copy made at the gather's line for the gather alone (DTensor pads an uneven shard
+to the largest), what it was copied from, the copy made again for the recompute. On the CPU,
+checkpoint also keeps the generator's state per call from forward until backward and takes it once
+more around the recompute (``preserve_rng_state=True``, the default): those are added too.
+
+A gathered tensor alive after backward (the caller keeps it: returned, logged) is not this rule's:
+checkpoint cannot free what another reference holds, and re-gathering would add a second copy.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ RNG_STATE_BYTES = 5056
 """``torch.get_rng_state()``: the CPU generator's state, which checkpoint keeps per call."""
 SMALL = 0.5
 """The shard is at most this share of the gathered tensor (a world of 2 ranks or more)."""
+PREPARES = frozenset(
+    {"aten.constant_pad_nd.default", "aten.clone.default", "aten._to_copy.default", "aten.cat.default"}
+)
+"""Copies made of a shard for its all-gather (DTensor pads an uneven shard to the largest; ``.contiguous()``
+clones a strided one): checkpoint keeps the tensor copied from, and makes the copy again when it
+recomputes."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,9 @@ class _Call:
 
     gathered: Allocation
     shard: Allocation
+    """What checkpoint keeps: the gather's input, or what it was copied from (:data:`PREPARES`)."""
+    copies: tuple[Allocation, ...]
+    """Copies made of ``shard`` on the way to the gather, made again (and freed) when it recomputes."""
     gather: int
     """The collective's op number."""
     last_forward_read: int
@@ -92,10 +106,33 @@ def _node_start(analysis: Analysis, seq: int) -> int:
     return seq
 
 
+def _source(analysis: Analysis, shard: Allocation, gather: int) -> tuple[Allocation, tuple[Allocation, ...]]:
+    """What ``torch.utils.checkpoint`` around the gather would keep of ``shard``: the shard, or, where
+    the shard is a copy made in forward, at the gather's line, only for the gather (DTensor's pad, a
+    ``.contiguous()``), what it was copied from; and the copies in between."""
+    flow, ops = analysis.flow, analysis.flow.ops
+    copies: list[Allocation] = []
+    reader = gather
+    while True:
+        seq = flow.producer[shard.id]
+        if seq < 0 or ops[seq].op not in PREPARES or ops[seq].phase is not Phase.FORWARD:
+            break
+        if ops[seq].site != ops[gather].site:
+            break  # made by other code (the previous layer's output): what checkpoint is handed
+        inputs = [i for i in dict.fromkeys(ops[seq].inputs) if i != shard.id]
+        if len(inputs) != 1 or [r for r in flow.readers[shard.id] if r != seq] != [reader]:
+            break  # made of several tensors, or read by more than the next step to the gather
+        copies.append(shard)
+        reader, shard = seq, analysis.allocations[inputs[0]]
+    return shard, tuple(copies)
+
+
 def _call(analysis: Analysis, a: Allocation) -> _Call | None:
     """``a`` as an all-gather's saved output the rule applies to, or None."""
     if a.preexisting or analysis.category(a) is not Category.SAVED or a.id not in analysis.alive_ids_at_peak:
         return None
+    if a.free_tick is None or a.free_phase is not Phase.BACKWARD:
+        return None  # alive after backward: something besides autograd holds it, which checkpoint cannot free
     if Fact.UNSHARDED_PARAMETER in a.facts or analysis.role(a) is Role.UNSHARDED_PARAMETER:
         return None  # FSDP2's parameters: fsdp-reshard-after-forward's
     gather = _gather_op(analysis, a)
@@ -124,7 +161,8 @@ def _call(analysis: Analysis, a: Allocation) -> _Call | None:
             return None  # read outside forward and backward: checkpoint would not re-gather for it
     if not forward or not backward or backward[0] < forward[-1]:
         return None
-    return _Call(a, shard, gather, forward[-1], _node_start(analysis, backward[0]))
+    source, copies = _source(analysis, shard, gather)
+    return _Call(a, source, copies, gather, forward[-1], _node_start(analysis, backward[0]))
 
 
 def _edits(analysis: Analysis, calls: list[_Call]) -> Edits:
@@ -136,6 +174,8 @@ def _edits(analysis: Analysis, calls: list[_Call]) -> Edits:
         start = ops[call.backward_start].tick
         free_at[a.id] = ops[call.last_forward_read].tick + 0.5
         added.append(Added(a.bytes, start - 0.5, a.free_tick))
+        # the recompute copies the shard again for the gather (DTensor's pad): alive until it is done
+        added.extend(Added(c.bytes, start - 0.55, start - 0.45) for c in call.copies)
         if a.device == "cpu":
             added.append(Added(RNG_STATE_BYTES, ops[call.gather].tick - 0.5, a.free_tick))
             added.append(Added(RNG_STATE_BYTES, start - 0.6, start - 0.4))
@@ -188,6 +228,10 @@ def all_gather_saved_for_backward(analysis: Analysis) -> list[Diagnosis]:
             safe_because=(
                 f"each tensor is made in forward by an all-gather of a shard {ratio}x smaller, saved by "
                 "autograd, and read again only in backward",
+                "each is freed in backward, when autograd lets it go: nothing else (a caller, a log) holds "
+                "it, which checkpoint could not free",
+                "the shard checkpoint keeps is the gather's input, or what a pad or copy at the gather's "
+                "line was made from (that copy is made again when it recomputes)",
                 "none is FSDP2's (an unsharded parameter, or a buffer FSDP2 copies out): "
                 "fsdp-reshard-after-forward covers those",
                 "checkpoint runs the same all-gather on the same shard again: the same values, so results "
