@@ -188,7 +188,7 @@ def test_silent_on_a_cat_of_a_gather_at_another_line() -> None:
 
 def test_a_gather_under_no_grad_whose_result_a_forward_op_saves_is_diagnosed() -> None:
     # with torch.no_grad(): full = all_gather(x); then w @ full saves it: checkpoint around both frees
-    # it (measured on 2 gloo ranks, bench/doctor_tp.py no_grad_gather: predicted drop off by 1.7%)
+    # it (measured on 2 gloo ranks, bench/doctor_tp.py no_grad_gather: the predicted peak, to the byte)
     (finding,) = _findings(_sequence_parallel(gathered_in=Phase.OTHER))
     assert finding.peak_after == 2 * GATHERED + OUT + RNG_STATE_BYTES + GRAD_W
 
