@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/diagnose.py
 	$(BIN)/python bench/doctor_gpt2.py
 	$(BIN)/python bench/doctor_fsdp.py
+	$(BIN)/python bench/doctor_tp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -298,7 +298,31 @@ def sp_layer(shard: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
     return mixing @ gathered  # SP_MIX_LINE
 
 
-def sequence_parallel_step(rank: int, checkpointed: bool) -> dict[str, Any]:
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """Megatron-LM's gather from the sequence-parallel region: ``dist.all_gather_into_tensor`` into a
+    tensor it allocates in forward, ``dist.reduce_scatter_tensor`` of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor) -> torch.Tensor:
+        gathered = shard.new_empty(shard.shape[0] * dist.get_world_size(), *shard.shape[1:])
+        dist.all_gather_into_tensor(gathered, shard)  # SP_C10D_GATHER_LINE
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        shard = grad.new_empty(grad.shape[0] // dist.get_world_size(), *grad.shape[1:])
+        dist.reduce_scatter_tensor(shard, grad.contiguous())
+        return shard
+
+
+def sp_c10d_layer(shard: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
+    """:func:`sp_layer` with :class:`GatherFromSequenceParallel` (c10d's all-gather)."""
+    return mixing @ GatherFromSequenceParallel.apply(shard)
+
+
+def sequence_parallel_step(
+    rank: int, checkpointed: bool, layer: Callable[..., Any] = sp_layer
+) -> dict[str, Any]:
     """:data:`SP_LAYERS` of :func:`sp_layer` and a loss, forward and backward, as written
     (``checkpointed`` False: each layer's gathered tensor is saved from forward through backward) or
     with each layer in ``torch.utils.checkpoint.checkpoint`` (only its input shard is kept; the
@@ -319,7 +343,7 @@ def sequence_parallel_step(rank: int, checkpointed: bool) -> dict[str, Any]:
     def step() -> None:
         h = x
         for w in mixing:
-            h = checkpoint(sp_layer, h, w, use_reentrant=False) if checkpointed else sp_layer(h, w)
+            h = checkpoint(layer, h, w, use_reentrant=False) if checkpointed else layer(h, w)
         h.pow(2).sum().backward()
 
     def zero_grad() -> None:
@@ -350,6 +374,7 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "collectives": collectives(rank),
         "sp_gathered": sequence_parallel_step(rank, checkpointed=False),
         "sp_checkpointed": sequence_parallel_step(rank, checkpointed=True),
+        "sp_c10d": sequence_parallel_step(rank, checkpointed=False, layer=sp_c10d_layer),
     }
     for step in result.values():
         step.pop("trace", None)

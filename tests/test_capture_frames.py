@@ -84,6 +84,22 @@ def test_library_roots_are_skipped_like_torch(tmp_path: Path) -> None:
     assert run().allocations[0].file == str(library / "ops.py")  # the default is back
 
 
+def test_a_deprecated_torch_function_is_blamed_on_the_line_that_called_it() -> None:
+    # torch wraps dist.all_gather_into_tensor and dist.reduce_scatter_tensor in typing_extensions'
+    # @deprecated, an installed package: its wrapper's frame is not the user's line
+    import warnings
+
+    from typing_extensions import deprecated
+
+    relu = deprecated("use something else")(torch.nn.functional.relu)  # torch's Python function
+    x = torch.randn(1000)
+    with warnings.catch_warnings(), memtrim.track() as trace:
+        warnings.simplefilter("ignore")
+        relu(x)  # <- deprecated call
+    (made,) = [a for a in trace.allocations if not a.preexisting]
+    assert (made.file, made.line) == (__file__, _line("# <- deprecated call"))
+
+
 def test_site_packages_lists_existing_folders() -> None:
     folders = frames.site_packages()
     assert folders and all(Path(f).is_dir() for f in folders)

@@ -294,6 +294,27 @@ def test_saved_all_gather_is_diagnosed_and_checkpointing_it_measured(
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
+def test_a_c10d_all_gather_in_a_custom_function_is_diagnosed_at_its_line(
+    ranks: list[dict[str, Any]], rank: int
+) -> None:
+    # Megatron-LM's form: dist.all_gather_into_tensor inside a custom autograd.Function; torch wraps
+    # it in typing_extensions' @deprecated, whose frame is not the user's line
+    c10d, functional = ranks[rank]["sp_c10d"], ranks[rank]["sp_gathered"]
+    findings = [d for d in c10d["diagnoses"] if d["rule"] == "all-gather-saved-for-backward"]
+    if not findings:
+        assert not _settled(c10d), "a settled trace of the c10d program got no finding"
+        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
+    (finding,) = findings
+    assert finding["site"] == f"tests/distributed_programs.py:{_line('SP_C10D_GATHER_LINE')} in forward"
+    assert finding["bytes_at_stake"] == distributed_programs.SP_LAYERS * c10d["gathered_bytes"]
+    # the same tensors as the functional all-gather's program: the same peak and prediction
+    if _settled(c10d) and _settled(functional):
+        assert c10d["profiler_peak"] == functional["profiler_peak"] == finding["peak_before"]
+        (other,) = [d for d in functional["diagnoses"] if d["rule"] == "all-gather-saved-for-backward"]
+        assert finding["peak_after"] == other["peak_after"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp2s_all_gathers_are_not_the_saved_all_gather_rules(
     ranks: list[dict[str, Any]], rank: int
 ) -> None:

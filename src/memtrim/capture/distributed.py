@@ -7,6 +7,9 @@ collective's buffers are, what FSDP2 and DDP use storages as, and which rank a t
   data pointer is invalid. Their local tensors hold the memory. The recorder returns
   ``NotImplemented`` for an op on them (as torch's own ``FSDPMemTracker`` does), so the subclass
   runs the op on its local tensors and the recorder records those ops, which make the allocations.
+  Autograd's node for such an op (a DTensor ``mm``, which saves its DTensor operands) lands on the
+  wrapper it returned, below which the local ops ran without one: the recorder reads what that node
+  saved when the wrapper is handed to the next wrapper op, and marks the local tensors saved.
 - **Collectives** (``c10d.allreduce_``, ``c10d._allgather_base_``, ``_c10d_functional.all_reduce``,
   ...) are ops like any other: recorded with the user line that issued them (FSDP's and DDP's
   frames are torch's, so that is the ``model(x)`` or ``loss.backward()`` line), their buffers as the

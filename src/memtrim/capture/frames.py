@@ -1,7 +1,8 @@
 """Which source line in the user's code is running: a stack walk that skips library code.
 
-Library code is torch, memtrim, the Python standard library and any folder given to
-:func:`set_library_roots`; an op run inside it is blamed on the innermost user frame that called in.
+Library code is torch, memtrim, the Python standard library, the call wrappers torch puts around its
+own functions (``typing_extensions.deprecated``) and any folder given to :func:`set_library_roots`; an
+op run inside it is blamed on the innermost user frame that called in.
 
 Every code object is classified once and cached, so the per-op cost is one dict lookup per frame
 between the op and the first user frame or module call, whichever is further. The caches hold no
@@ -50,6 +51,22 @@ _STDLIB = _stdlib_roots()
 # lib/python3.X/site-packages): they are not the standard library.
 _PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _library_roots: tuple[str, ...] = ()
+
+
+def _wrapper_files() -> frozenset[str]:
+    """Files of installed modules whose frames only pass a call on: ``typing_extensions``, whose
+    ``@deprecated`` wrapper torch puts around some of its own functions (``dist.all_gather_into_tensor``,
+    ``dist.reduce_scatter_tensor``), where the wrapper's frame stands between the user's line and the
+    op. Never the user's line."""
+    found = set()
+    for name in ("typing_extensions",):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            found.add(os.path.abspath(path))
+    return frozenset(found)
+
+
+_WRAPPERS = _wrapper_files()
 
 
 def site_packages() -> list[str]:
@@ -141,7 +158,7 @@ def _classify(code: CodeType) -> int:
         return USER
     if name.startswith(_MEMTRIM_DIR):
         return INTERNAL
-    if _is_stdlib(name) or name.startswith(_library_roots):
+    if _is_stdlib(name) or name.startswith(_library_roots) or name in _WRAPPERS:
         return INTERNAL
     return USER
 

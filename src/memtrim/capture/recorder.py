@@ -57,6 +57,8 @@ def _metadata(node: Any) -> dict[str, Any]:
 # Key under which a forward op's site is stamped on the autograd node it created, so the backward
 # ops that node runs can be attributed to the forward line.
 NODE_STAMP = "memtrim.site"
+# Key under which a wrapper subclass's node (a DTensor op's) is marked once what it saved was read.
+WRAPPER_READ = "memtrim.wrapper-saved"
 
 
 class _StorageWatch(weakref.ref):
@@ -243,6 +245,7 @@ class Recorder(DetachableMode):
         if not self._open:
             return func(*args, **kwargs)
         if types and distributed.desugars(types):
+            self._read_wrapper_nodes(args, kwargs)
             return NotImplemented  # a DTensor runs the op on its local tensors, which are recorded
         if self._freed:
             self._drain_frees()
@@ -672,6 +675,34 @@ class Recorder(DetachableMode):
             # (a custom Function that returns a view of what it made gets its node on that view)
             if (marks_saved or isinstance(node, _CustomFunctionNode)) and seq not in self._under_user_hooks:
                 self._mark_saved(node)
+
+    def _read_wrapper_nodes(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """Mark what autograd saved for the ops that made a wrapper subclass op's inputs (a DTensor's
+        ``mm`` saves its DTensor operands: their local tensors are what is held).
+
+        Such a node lands on the wrapper the op returned, which no mode sees (the op ran on local
+        tensors, below autograd): it is read when that wrapper is handed to the next wrapper op. Not
+        while the user's saved-tensor hooks are active, nor for a node whose local tensors were made
+        under them: unpacking would run those hooks (a checkpoint's unpack recomputes the forward).
+        """
+        if not _is_grad_enabled() or _user_saved_hooks(False) is not None:
+            return
+        for t in _tensors((*args, *kwargs.values()) if kwargs else args):
+            if type(t) is _Tensor or (node := t.grad_fn) is None:
+                continue
+            metadata = _metadata(node)
+            if WRAPPER_READ in metadata or NODE_STAMP in metadata:
+                continue
+            metadata[WRAPPER_READ] = True
+            made = []
+            for _part, storage in storages.parts(t):
+                watch = self._watches.get(storage._cdata)
+                if watch is None:
+                    break
+                made.append(self._rows[watch.index].seq)
+            else:
+                if made and not self._under_user_hooks.intersection(made):
+                    self._mark_saved(node)
 
     def _mark_saved(self, node: Any) -> None:
         try:
