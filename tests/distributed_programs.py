@@ -256,6 +256,45 @@ def ddp_bucket_view_step(rank: int, view: bool) -> dict[str, Any]:
     return result
 
 
+class BranchyMlp(Mlp):
+    """:class:`Mlp` and one more layer that only some ranks run (``find_unused_parameters=True``)."""
+
+    def __init__(self, dim: int, branch: bool) -> None:
+        super().__init__(dim)
+        self.branch = nn.Linear(dim, dim)
+        self.use_branch = branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.branch(x) if self.use_branch else x
+
+
+def ddp_unused_step(rank: int, view: bool) -> dict[str, Any]:
+    """:func:`ddp_bucket_view_step` on :class:`BranchyMlp` with the branch run on rank 0 only: on rank 1
+    its ``.grad`` is ``None`` when the all-reduced bucket comes back, and with ``view`` False the
+    reducer makes it as a copy of the bucket view (with True it is the view)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        BranchyMlp(64, branch=rank == 0), gradient_as_bucket_view=view, find_unused_parameters=True
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(x).sum().backward()  # UNUSED_LINE
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    step()
+    result = measure_settled(step)
+    result["diagnoses"] = diagnoses(result.pop("trace"))
+    result["branch_bytes"] = sum(nbytes(p) for p in model.module.branch.parameters())
+    return result
+
+
 def collectives(rank: int) -> dict[str, Any]:
     """A functional all-gather (its output is a new buffer, alive until it is waited on and dropped)
     and a DTensor op that issues a collective inside torch (clip_grad_norm_ over sharded gradients)."""
@@ -338,6 +377,8 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "ddp": ddp_step(rank),
         "ddp_copies": ddp_bucket_view_step(rank, False),
         "ddp_views": ddp_bucket_view_step(rank, True),
+        "ddp_unused_copies": ddp_unused_step(rank, False),
+        "ddp_unused_views": ddp_unused_step(rank, True),
         "collectives": collectives(rank),
         "sp_gathered": sequence_parallel_step(rank, checkpointed=False),
         "sp_checkpointed": sequence_parallel_step(rank, checkpointed=True),
