@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/fixes.py
 	$(BIN)/python bench/diagnose.py
 	$(BIN)/python bench/doctor_gpt2.py
+	$(BIN)/python bench/doctor_ddp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

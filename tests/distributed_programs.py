@@ -65,6 +65,7 @@ def measure(step: Callable[[], None]) -> dict[str, Any]:
         "trace": trace,
         "memtrim_peak": trace.peak_bytes,
         "profiler_peak": truth.peak_in_window,
+        "profiler_peak_with_reuse_frees": truth.peak_in_window_with_reuse_frees,
         # Frees of blocks made before the window are left out on both sides: memtrim sees one only if
         # an op in the region reads it, the profiler only if an earlier profile in this process saw
         # the block allocated (the CPU allocator keeps those sizes), which retries and earlier steps
