@@ -232,15 +232,19 @@ def ddp_step(rank: int) -> dict[str, Any]:
     return result
 
 
-def ddp_bucket_view_step(rank: int, view: bool) -> dict[str, Any]:
+def ddp_bucket_view_step(rank: int, view: bool, hook: bool = False) -> dict[str, Any]:
     """A DDP step with Adam (forward, backward, step, ``zero_grad()``) on ``Mlp(64)``, the model wrapped
     with ``gradient_as_bucket_view=view``, and what the doctor says of it. With ``False`` each
     gradient autograd makes lives on beside its copy in DDP's bucket; with ``True`` ``.grad`` is the
-    bucket's view and the gradient autograd made is freed once copied in."""
+    bucket's view and the gradient autograd made is freed once copied in. ``hook``: with
+    ``fp16_compress_hook``, which all-reduces a float16 copy of each bucket."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = DistributedDataParallel(Mlp(64), gradient_as_bucket_view=view)
+    if hook:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)  # its state exists from the first step on
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
 
@@ -378,6 +382,8 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "ddp": ddp_step(rank),
         "ddp_copies": ddp_bucket_view_step(rank, False),
         "ddp_views": ddp_bucket_view_step(rank, True),
+        "ddp_hook_copies": ddp_bucket_view_step(rank, False, hook=True),
+        "ddp_hook_views": ddp_bucket_view_step(rank, True, hook=True),
         "ddp_unused_copies": ddp_unused_step(rank, False),
         "ddp_unused_views": ddp_unused_step(rank, True),
         "collectives": collectives(rank),
