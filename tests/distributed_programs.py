@@ -65,6 +65,7 @@ def measure(step: Callable[[], None]) -> dict[str, Any]:
         "trace": trace,
         "memtrim_peak": trace.peak_bytes,
         "profiler_peak": truth.peak_in_window,
+        "profiler_peak_with_reuse_frees": truth.peak_in_window_with_reuse_frees,
         # Frees of blocks made before the window are left out on both sides: memtrim sees one only if
         # an op in the region reads it, the profiler only if an earlier profile in this process saw
         # the block allocated (the CPU allocator keeps those sizes), which retries and earlier steps
@@ -237,15 +238,19 @@ def ddp_step(rank: int) -> dict[str, Any]:
     return result
 
 
-def ddp_bucket_view_step(rank: int, view: bool) -> dict[str, Any]:
+def ddp_bucket_view_step(rank: int, view: bool, hook: bool = False) -> dict[str, Any]:
     """A DDP step with Adam (forward, backward, step, ``zero_grad()``) on ``Mlp(64)``, the model wrapped
     with ``gradient_as_bucket_view=view``, and what the doctor says of it. With ``False`` each
     gradient autograd makes lives on beside its copy in DDP's bucket; with ``True`` ``.grad`` is the
-    bucket's view and the gradient autograd made is freed once copied in."""
+    bucket's view and the gradient autograd made is freed once copied in. ``hook``: with
+    ``fp16_compress_hook``, which all-reduces a float16 copy of each bucket."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = DistributedDataParallel(Mlp(64), gradient_as_bucket_view=view)
+    if hook:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)  # its state exists from the first step on
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
 
@@ -259,6 +264,45 @@ def ddp_bucket_view_step(rank: int, view: bool) -> dict[str, Any]:
     result = measure_settled(step)
     result["diagnoses"] = diagnoses(result.pop("trace"))
     result["parameter_bytes"] = sum(nbytes(p) for p in model.parameters())
+    return result
+
+
+class BranchyMlp(Mlp):
+    """:class:`Mlp` and one more layer that only some ranks run (``find_unused_parameters=True``)."""
+
+    def __init__(self, dim: int, branch: bool) -> None:
+        super().__init__(dim)
+        self.branch = nn.Linear(dim, dim)
+        self.use_branch = branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.branch(x) if self.use_branch else x
+
+
+def ddp_unused_step(rank: int, view: bool) -> dict[str, Any]:
+    """:func:`ddp_bucket_view_step` on :class:`BranchyMlp` with the branch run on rank 0 only: on rank 1
+    its ``.grad`` is ``None`` when the all-reduced bucket comes back, and with ``view`` False the
+    reducer makes it as a copy of the bucket view (with True it is the view)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        BranchyMlp(64, branch=rank == 0), gradient_as_bucket_view=view, find_unused_parameters=True
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(x).sum().backward()  # UNUSED_LINE
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    step()
+    result = measure_settled(step)
+    result["diagnoses"] = diagnoses(result.pop("trace"))
+    result["branch_bytes"] = sum(nbytes(p) for p in model.module.branch.parameters())
     return result
 
 
@@ -371,6 +415,10 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
         "ddp": ddp_step(rank),
         "ddp_copies": ddp_bucket_view_step(rank, False),
         "ddp_views": ddp_bucket_view_step(rank, True),
+        "ddp_hook_copies": ddp_bucket_view_step(rank, False, hook=True),
+        "ddp_hook_views": ddp_bucket_view_step(rank, True, hook=True),
+        "ddp_unused_copies": ddp_unused_step(rank, False),
+        "ddp_unused_views": ddp_unused_step(rank, True),
         "collectives": collectives(rank),
         "sp_gathered": sequence_parallel_step(rank, checkpointed=False),
         "sp_checkpointed": sequence_parallel_step(rank, checkpointed=True),

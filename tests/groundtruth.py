@@ -47,6 +47,9 @@ class ProfiledMemory:
     unfreed: list[int] = field(default_factory=list)
     # indices into ``events`` of frees of blocks allocated before the profile began
     prewindow_frees: list[int] = field(default_factory=list)
+    # (time ns, -bytes): a free the profiler never saw, placed just before its block's address was
+    # handed out again (it was freed no later than that)
+    reuse_frees: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def deltas(self) -> list[int]:
@@ -61,6 +64,13 @@ class ProfiledMemory:
     @property
     def peak_in_window(self) -> int:
         return _peak(self.deltas_in_window)
+
+    @property
+    def peak_in_window_with_reuse_frees(self) -> int:
+        """:attr:`peak_in_window` with each unseen free placed where its block's address was reused."""
+        left_out = set(self.prewindow_frees)
+        kept = [event for i, event in enumerate(self.events) if i not in left_out]
+        return _peak([delta for _, delta in sorted(kept + self.reuse_frees)])
 
     @property
     def peak(self) -> int:
@@ -95,9 +105,15 @@ def profiled_memory(prof: profile) -> ProfiledMemory:
     events = _allocation_events(prof)
     opened: dict[int, tuple[int, int | None]] = {}
     intra: set[int] = set()  # indices of events set aside
+    # allocations whose address was handed out again before their free was seen: freed on a thread
+    # the profiler does not watch (a gloo worker thread dropping a comm hook's compressed bucket)
+    reused: set[int] = set()
     result = ProfiledMemory()
     for i, (_, ptr, delta, op) in enumerate(events):
         if delta > 0:
+            if ptr in opened:
+                reused.add(opened[ptr][0])
+                result.reuse_frees.append((events[i][0] - 1, -events[opened[ptr][0]][2]))
             opened[ptr] = (i, op)
         elif ptr in opened:
             j, alloc_op = opened.pop(ptr)
@@ -120,7 +136,7 @@ def profiled_memory(prof: profile) -> ProfiledMemory:
         else:
             result.prewindow_frees.append(kept)
         kept += 1
-    still_open = {i for i, _ in opened.values()}
+    still_open = {i for i, _ in opened.values()} | reused
     kept_allocations = [i for i, (_, _, delta, _) in enumerate(events) if i not in intra and delta > 0]
     result.unfreed = [n for n, i in enumerate(kept_allocations) if i in still_open]
     return result
@@ -143,6 +159,7 @@ def profiler_memory() -> Iterator[ProfiledMemory]:
     result.wrapped_number_bytes = measured.wrapped_number_bytes
     result.unfreed = measured.unfreed
     result.prewindow_frees = measured.prewindow_frees
+    result.reuse_frees = measured.reuse_frees
 
 
 def memtrim_deltas(trace: object, *, preexisting_frees: bool = True) -> list[int]:

@@ -23,6 +23,10 @@ def _ddp_step(
     accumulate_after: bool = False,
     step_tmp: int = TMP,
     later_tmp: int = 0,
+    rounds: int = 1,
+    hook: bool = False,
+    between: str | None = None,
+    cloned: bool = False,
 ) -> TraceBuilder:
     """DDP's backward as the reducer runs it: LAYERS gradients of GRAD bytes each made in backward
     (``.grad``), each copied into the flat bucket (``mul.out``, from before the region), the bucket
@@ -35,7 +39,13 @@ def _ddp_step(
     and accumulated into in place; ``read_before_copy_back``: an op reads a gradient between its copy
     in and the copy back; ``copy_back``: the reducer copies the bucket back into the gradients;
     ``accumulate_after``: a gradient is written in place after the copy back; ``later_tmp``: a
-    temporary of that size made after the step (a peak elsewhere)."""
+    temporary of that size made after the step (a peak elsewhere); ``rounds``: backwards before the
+    step (gradient accumulation without ``no_sync()``: autograd accumulates each later gradient into
+    ``.grad`` with ``add_`` and the reducer copies it in and back again); ``hook``: a communication
+    hook is registered (the reducer copies in with ``copy_``, unscaled); ``between``: an op of that
+    name writes the bucket between two backwards; ``cloned``: one more gradient, of a parameter this
+    rank did not use, that the reducer makes after the all-reduce as a copy of its bucket view
+    (``new_empty_strided`` + ``copy_``)."""
     b = TraceBuilder()
     b.op("aten.empty.memory_format", phase=Phase.OTHER)
     flat = b.alloc(LAYERS * GRAD, preexisting=True, facts=[Fact.GRADIENT_BUCKET] if bucket else [])
@@ -54,7 +64,7 @@ def _ddp_step(
         else:
             g = b.alloc(GRAD, facts=[Fact.GRADIENT])
         grads.append(g)
-        b.op("aten.mul.out", line=20, inputs=(g, flat))
+        _copy_in(b, g, flat, hook)
         if view:
             b.free(g)
         elif read_before_copy_back and i == 0:
@@ -65,6 +75,27 @@ def _ddp_step(
     if copy_back and not view:
         for g in grads:
             b.op("aten.copy_.default", line=20, inputs=(g, flat))
+    if cloned:
+        b.op("aten.new_empty_strided.default", line=20, inputs=(flat,))
+        extra = b.alloc(GRAD, facts=[Fact.GRADIENT])
+        b.op("aten.copy_.default", line=20, inputs=(extra, flat))
+        grads.append(extra)
+    for _ in range(rounds - 1):  # the next micro-batch's backward
+        if between is not None:
+            b.op(between, phase=Phase.BACKWARD, line=20, inputs=(flat,))
+        for g in grads:
+            b.op("aten.mm.default", phase=Phase.BACKWARD, line=10)
+            fresh = b.alloc(GRAD)
+            b.op("aten.add_.Tensor", line=20, inputs=(g, fresh))
+            b.free(fresh)
+            if view:
+                b.op("aten.div_.Scalar", line=20, inputs=(flat,))
+            else:
+                _copy_in(b, g, flat, hook)
+        b.op("c10d.allreduce_.default", line=20, inputs=(flat,))
+        if not view:
+            for g in grads:
+                b.op("aten.copy_.default", line=20, inputs=(g, flat))
     if accumulate_after and not view:
         b.op("aten.mul_.Tensor", line=21, inputs=(grads[0],))
     b.op("aten.sqrt.default", phase=Phase.OPTIMIZER, line=30, inputs=(flat,) if view else tuple(grads))
@@ -78,8 +109,18 @@ def _ddp_step(
     return b
 
 
-def _findings(b: TraceBuilder) -> list:
-    return [d for d in analyze(b.build()).diagnoses if d.rule == RULE]
+def _copy_in(b: TraceBuilder, g: int, flat: int, hook: bool) -> None:
+    """The reducer's copy of gradient ``g`` into its bucket view: ``bucket_view.copy_(grad)`` under a
+    communication hook, else ``mul.out(grad, 1 / world, out=bucket_view)``."""
+    if hook:
+        b.op("aten.copy_.default", line=20, inputs=(flat, g))
+    else:
+        b.op("aten.mul.out", line=20, inputs=(g, flat))
+
+
+def _findings(b: TraceBuilder, world: int | None = None) -> list:
+    metadata = {} if world is None else {"distributed": {"rank": 0, "world_size": world, "backend": "gloo"}}
+    return [d for d in analyze(b.build(metadata=metadata)).diagnoses if d.rule == RULE]
 
 
 def test_gradients_kept_beside_their_bucket_copy_are_diagnosed() -> None:
@@ -144,3 +185,47 @@ def test_a_gradient_written_after_the_copy_back_is_left_out() -> None:
 def test_silent_when_the_fix_would_not_lower_the_peak() -> None:
     # a temporary after the step peaks higher than anything alive with the gradients
     assert _findings(_ddp_step(later_tmp=100 * GRAD)) == []
+
+
+def test_gradient_accumulation_without_no_sync_is_diagnosed_at_a_power_of_2_world() -> None:
+    # two backwards: each gradient copied in and back in each, accumulated into in between; as bucket
+    # views the gradients are gone from the first copy on (the optimizer step's temporary alone)
+    (finding,) = _findings(_ddp_step(rounds=2), world=2)
+    assert finding.peak_before == LAYERS * GRAD + TMP
+    assert finding.peak_after == TMP
+    assert finding.bytes_at_stake == LAYERS * GRAD
+    assert any("power of 2" in reason for reason in finding.safe_because)
+
+
+def test_gradient_accumulation_is_silent_where_dividing_in_place_may_round_otherwise() -> None:
+    # world size 3 (div_ by 3 vs * (1 / 3)), or no world size recorded
+    assert _findings(_ddp_step(rounds=2), world=3) == []
+    assert _findings(_ddp_step(rounds=2)) == []
+
+
+def test_gradient_accumulation_under_a_comm_hook_needs_no_power_of_2() -> None:
+    # the hook's copy does not scale, and as a bucket view the gradient is not copied at all
+    (finding,) = _findings(_ddp_step(rounds=2, hook=True), world=3)
+    assert finding.peak_after == TMP
+
+
+def test_gradient_accumulation_is_silent_when_the_bucket_is_written_between_backwards() -> None:
+    # a write of the whole bucket between the copy back and the next copy in: a bucket view would see it
+    assert _findings(_ddp_step(rounds=2, between="aten.zero_.default"), world=2) == []
+
+
+def test_accumulation_is_silent_with_gradient_as_bucket_view() -> None:
+    assert _findings(_ddp_step(rounds=2, view=True), world=2) == []
+
+
+def test_a_gradient_the_reducer_copies_out_of_the_bucket_is_removed() -> None:
+    # find_unused_parameters=True, a parameter only another rank used: its .grad is made after the
+    # all-reduce as a copy of the bucket view; with gradient_as_bucket_view=True it is the view
+    (finding,) = _findings(_ddp_step(cloned=True))
+    analysis = analyze(_ddp_step(cloned=True).build())
+    (extra,) = finding.edits.remove
+    assert analysis.allocations[extra].op == "aten.new_empty_strided.default"
+    assert finding.bytes_at_stake == (LAYERS + 1) * GRAD
+    assert finding.peak_before == (LAYERS + 1) * GRAD + TMP
+    assert finding.peak_after == TMP
+    assert any("find_unused_parameters" in reason for reason in finding.safe_because)

@@ -19,8 +19,10 @@ collective's buffers are, what FSDP2 and DDP use storages as, and which rank a t
   arguments): an all-gather into one tensor writes an ``all_gather_buffer`` (FSDP2's flat buffer);
   FSDP2's ``fsdp.split_with_sizes_copy`` copies it out into the ``unsharded_parameter`` tensors; a
   reduce-scatter reads a ``reduce_scatter_buffer``; an all-reduce run in backward reduces a
-  ``gradient_bucket`` (DDP's buckets). At the region's end, FSDP2's own state names the sharded
-  parameters, the unsharded ones and the sharded gradients (:func:`fsdp_facts`).
+  ``gradient_bucket`` (DDP's buckets; under a communication hook, which may all-reduce a compressed
+  copy, also the ``GradBucket``'s own buffer, found in the hook's frame). At the region's end,
+  FSDP2's own state names the sharded parameters, the unsharded ones and the sharded gradients
+  (:func:`fsdp_facts`).
 - **gloo's reduce-scatter** works on a clone of its input, made inside the op where no dispatch mode
   sees it (``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` all-reduces the clone, and the work's
   ``wait()`` copies this rank's chunk out). It is recorded as made by the collective; the clone is
@@ -36,6 +38,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -155,10 +158,36 @@ def _reduce_scatter_tensors(rec: Listener, args: Any, kwargs: dict[str, Any], ou
             rec.made_unseen(t, Fact.REDUCE_SCATTER_BUFFER, seq)
 
 
+_HOOK_FRAMES = 16
+"""How far up the Python stack an all-reduce in backward looks for the DDP comm hook it runs in."""
+
+
+def _comm_hook_bucket() -> torch.Tensor | None:
+    """The flat bucket of the DDP communication hook this all-reduce runs in, if any: the buffer of the
+    ``GradBucket`` a frame up the stack was handed (``fp16_compress_hook(state, bucket)`` all-reduces
+    a compressed copy of ``bucket.buffer()``, and the reducer copies the gradients in and out of that
+    buffer, not of the copy)."""
+    grad_bucket = getattr(torch._C._distributed_c10d, "GradBucket", None)
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_HOOK_FRAMES):
+        if frame is None or grad_bucket is None:
+            return None
+        for value in frame.f_locals.values():
+            if isinstance(value, grad_bucket):
+                buffer: torch.Tensor = value.buffer()
+                return buffer
+        frame = frame.f_back
+    return None
+
+
 def _all_reduce(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:
-    # c10d::allreduce_(Tensor[] tensors, ProcessGroup, ...): in backward, DDP's buckets
+    # c10d::allreduce_(Tensor[] tensors, ProcessGroup, ...): in backward, DDP's buckets (or, under a
+    # communication hook, what the hook all-reduces for the bucket, and the bucket itself)
     if rec.phase_of(seq) is Phase.BACKWARD:
         _tag_all(rec, args[0], Fact.GRADIENT_BUCKET)
+        bucket = _comm_hook_bucket()
+        if bucket is not None:
+            rec.tag_storage(bucket, Fact.GRADIENT_BUCKET)
 
 
 def _fsdp_copy_out(rec: Listener, args: Any, kwargs: dict[str, Any], out: Any, seq: int) -> None:

@@ -14,6 +14,20 @@ is not made.
 
 The what-if frees each such gradient just after the op that copied it into its bucket.
 
+Two more shapes of the same waste:
+
+- Gradient accumulation without ``no_sync()``: every backward copies the gradient in and back again,
+  and between backwards autograd accumulates into it (``grad += new``, ``add_``). With ``True`` the
+  gradient is the bucket view from the first copy on: autograd accumulates into the view and the
+  reducer divides the view in place by the world size (``div_``) instead of scaling as it copies.
+  That rounds alike only when the world size (the trace's ``distributed`` metadata) is a power of
+  2, and only then (or under a communication hook, which copies without scaling) is it blamed; the
+  bucket must be written between backwards only by the reducer's copies of other gradients.
+- ``find_unused_parameters=True``, a parameter this rank did not use and another rank did: its
+  ``.grad`` is ``None`` when the all-reduced bucket comes back, and the reducer makes it as a copy of
+  the bucket view (``new_empty_strided`` + ``copy_``); with ``True`` ``.grad`` is the view itself.
+  The what-if removes those copies.
+
 Gradients from before the region (``zero_grad(set_to_none=False)`` keeps them from step to step) are
 left out: with ``True`` they would be bucket views from the first step on and the second copy would
 never exist, but those bytes are memory the region starts with, and the region's peak is counted above
@@ -80,25 +94,86 @@ def _copied_in(analysis: Analysis, buckets: set[int]) -> dict[int, tuple[int, in
     return found
 
 
-def _copy_back(flow: Flow, g: Allocation, copied: int, bucket: int) -> int | None:
-    """The op that copied the all-reduced bucket back into ``g`` (``grad.copy_(bucket_view)``), when no
-    other op read or wrote ``g`` between its copy into the bucket and that one."""
+_ACCUMULATES = frozenset({"add_"})
+"""What autograd's ``AccumulateGrad`` runs on a ``.grad`` that exists (``grad += new``, in place)."""
+_CLONES = frozenset({"new_empty_strided", "empty_like", "clone"})
+"""Ops the reducer makes a gradient with from its bucket view (``clone_obey_contract``)."""
+
+
+def _accumulates(row: OpRow, name: str, ident: int) -> bool:
+    """Whether ``row`` is autograd accumulating a new gradient into ``.grad`` ``ident`` in backward."""
+    return row.phase is Phase.BACKWARD and name in _ACCUMULATES and row.inputs[0] == ident
+
+
+def _copies_in(flow: Flow, seq: int, ident: int, bucket: int) -> bool:
+    """Whether op ``seq`` is the reducer copying gradient ``ident`` into ``bucket`` in backward:
+    ``mul.out(grad, 1 / world, out=bucket_view)`` or, under a communication hook, ``copy_``."""
+    row = flow.ops[seq]
+    if row.phase is not Phase.BACKWARD or not _writes(row, bucket) or ident == bucket:
+        return False
+    return flow.names[seq] in ("mul", "copy_") and ident in row.inputs
+
+
+def _copies_back(flow: Flow, seq: int, ident: int, bucket: int) -> bool:
+    """Whether op ``seq`` is ``grad.copy_(bucket_view)`` for gradient ``ident``."""
+    return flow.names[seq] == "copy_" and flow.ops[seq].inputs[:2] == (ident, bucket)
+
+
+def _only_copies_in(analysis: Analysis, bucket: int, after: int, before: int) -> bool:
+    """Between ops ``after`` and ``before`` only the reducer's copies of gradients write ``bucket``
+    (each into its own view, in the next backward): no all-reduce, no scaling of the whole bucket."""
+    flow, allocations = analysis.flow, analysis.allocations
+    for seq in flow.readers[bucket]:
+        if not (after < seq < before and _writes(flow.ops[seq], bucket)):
+            continue
+        if not any(
+            _copies_in(flow, seq, i, bucket) and analysis.role(allocations[i]) is Role.GRADIENT
+            for i in flow.ops[seq].inputs
+        ):
+            return False
+    return True
+
+
+def _rounds(analysis: Analysis, g: Allocation, copied: int, bucket: int) -> tuple[int, bool] | None:
+    """The copy back after which ``g`` holds the bucket's values for good, and whether ``g`` went
+    through the bucket more than once with the reducer scaling as it copied (``mul.out``), when
+    every round is the reducer's: copied in, not read until copied back, then (gradient accumulation
+    without ``no_sync()``) only read, or accumulated into by autograd in backward and copied in
+    again, with the bucket written in between only by the reducer's copies of other gradients.
+    With ``gradient_as_bucket_view=True`` ``g`` is its bucket view from the first copy on: autograd
+    accumulates into the view, and the reducer divides the view in place rather than copying."""
+    flow = analysis.flow
     ops = flow.ops
+    back: int | None = None  # the latest copy back; None while g's values are not yet the bucket's
+    scaled = flow.names[copied] == "mul"
+    again = False
     for seq in flow.readers[g.id]:
-        if seq <= copied or _aliases(flow, seq):
+        if seq <= copied:
             continue
         row = ops[seq]
-        if flow.names[seq] == "copy_" and row.inputs[:2] == (g.id, bucket):
-            return seq
-        return None  # read before the copy back: it would read the bucket's values with the fix
-    return None
+        if back is not None and _copies_in(flow, seq, g.id, bucket):  # (an out= op: no output made)
+            if not _only_copies_in(analysis, bucket, back, seq):
+                return None
+            back, again = None, True
+            scaled = scaled or flow.names[seq] == "mul"
+        elif _aliases(flow, seq):
+            continue
+        elif back is None:  # copied in: only the copy back may touch g (with the fix g is the bucket view)
+            if not _copies_back(flow, seq, g.id, bucket):
+                return None
+            back = seq
+        elif _writes(row, g.id) and not _accumulates(row, flow.names[seq], g.id):
+            return None  # a write the bucket view would not see the same way
+    if back is None or not _same_after(flow, g, back, bucket):
+        return None
+    return back, again and scaled
 
 
 def _same_after(flow: Flow, g: Allocation, back: int, bucket: int) -> bool:
-    """After the copy back, ``g`` holds the bucket's values and keeps them as long as it is read: no op
-    writes ``g`` (an accumulation into it: with the fix it would accumulate into the bucket, which
-    the reducer then divides in place rather than scaling as it copies) and none writes the bucket
-    before ``g``'s last read (with the fix ``g`` would see that write)."""
+    """After the last copy back, ``g`` holds the bucket's values and keeps them as long as it is read:
+    no op writes ``g`` (an accumulation into it that no copy into the bucket follows: with the fix it
+    would accumulate into the bucket) and none writes the bucket before ``g``'s last read (with the fix
+    ``g`` would see that write)."""
     ops = flow.ops
     later = [seq for seq in flow.readers[g.id] if seq > back]
     if any(_writes(ops[seq], g.id) for seq in later):
@@ -107,33 +182,112 @@ def _same_after(flow: Flow, g: Allocation, back: int, bucket: int) -> bool:
     return not any(back < seq <= last and _writes(ops[seq], bucket) for seq in flow.readers[bucket])
 
 
+def _cloned_back(analysis: Analysis, buckets: set[int]) -> dict[int, int]:
+    """Gradient id -> its bucket's id, for the gradients the reducer made after the bucket's
+    all-reduce as a copy of their bucket view (``copy_bucket_to_grad`` for a ``.grad`` that was
+    ``None``: with ``find_unused_parameters=True``, a parameter this rank did not use and another
+    rank did), holding the bucket's values as long as they are read. With
+    ``gradient_as_bucket_view=True`` the reducer sets ``.grad`` to the bucket view instead."""
+    flow, allocations = analysis.flow, analysis.allocations
+    found: dict[int, int] = {}
+    for bucket in sorted(buckets):
+        reduced = False
+        for seq in flow.readers[bucket]:
+            row = flow.ops[seq]
+            if row.phase is not Phase.BACKWARD:
+                continue
+            if flow.names[seq] == "allreduce_":
+                reduced = True
+            if not reduced or flow.names[seq] not in _CLONES or len(flow.outputs[seq]) != 1:
+                continue
+            g = allocations[flow.outputs[seq][0]]
+            if g.preexisting or analysis.role(g) is not Role.GRADIENT:
+                continue
+            back = seq
+            if flow.names[seq] != "clone":  # made empty, then filled: the next op on it is the copy
+                filled = next((r for r in flow.readers[g.id] if r > seq and not _aliases(flow, r)), None)
+                if filled is None or not _copies_back(flow, filled, g.id, bucket):
+                    continue
+                back = filled
+            if _same_after(flow, g, back, bucket):
+                found[g.id] = bucket
+    return found
+
+
+def _world_size(analysis: Analysis) -> int | None:
+    distributed = analysis.log.metadata.get("distributed")
+    size = distributed.get("world_size") if isinstance(distributed, dict) else None
+    return size if isinstance(size, int) else None
+
+
 @DIAGNOSES.register(RULE)
 def ddp_gradient_as_bucket_view(analysis: Analysis) -> list[Diagnosis]:
     """Gradients made in backward, copied into a DDP gradient bucket and kept alive beside it ->
     ``DistributedDataParallel(model, gradient_as_bucket_view=True)``."""
-    flow, ops, allocations = analysis.flow, analysis.flow.ops, analysis.allocations
+    ops, allocations = analysis.flow.ops, analysis.allocations
     buckets = {a.id for a in allocations if analysis.role(a) is Role.GRADIENT_BUCKET}
     if not buckets:
         return []
+    world = _world_size(analysis)
+    exact_division = world is not None and world > 0 and world & (world - 1) == 0
     free_at: dict[int, float | None] = {}
     blamed: list[Allocation] = []
     copy_sites: list[Site | None] = []
     into: set[int] = set()
+    accumulated = 0
     for ident, (copied, bucket) in sorted(_copied_in(analysis, buckets).items(), key=lambda kv: kv[1]):
         g = allocations[ident]
         if copied + 1 >= len(ops):
             continue
         if g.free_tick is not None and g.free_tick < ops[copied + 1].tick:
             continue  # freed right after its copy: .grad is the bucket view already
-        back = _copy_back(flow, g, copied, bucket)
-        if back is None or not _same_after(flow, g, back, bucket):
+        rounds = _rounds(analysis, g, copied, bucket)
+        if rounds is None:
             continue
+        if rounds[1]:
+            if not exact_division:
+                continue  # dividing the view in place by the world size may round unlike * (1 / world)
+            accumulated += 1
         free_at[g.id] = ops[copied].tick + 0.5
         blamed.append(g)
         copy_sites.append(ops[copied].site)
         into.add(bucket)
-    if not blamed:
+    cloned = _cloned_back(analysis, buckets)
+    if not blamed and not cloned:
         return []
+    clones = [allocations[ident] for ident in sorted(cloned)]
+    into.update(cloned.values())
+    copied_count = len(blamed)
+    blamed.extend(clones)
+    if not copy_sites:
+        copy_sites = [g.site for g in clones]
+    safe: list[str] = []
+    if copied_count:
+        safe += [
+            "each gradient was made in this backward and copied into a DDP gradient bucket there (the "
+            "reducer's copy before the all-reduce), and no op read it until the all-reduced bucket was "
+            "copied back into it: with gradient_as_bucket_view=True .grad is that bucket view, "
+            "holding the same values, bit for bit",
+            "after the copy back no op writes the gradient, and none writes the bucket while the "
+            "gradient is still read",
+        ]
+    if accumulated:
+        safe.append(
+            f"{accumulated} gradients went through their bucket once per backward (gradient "
+            "accumulation without no_sync()): between backwards only autograd's accumulation wrote "
+            "them and only the reducer's copies of gradients wrote the bucket, and each was copied in "
+            "and back again; as bucket views autograd accumulates into the view and the reducer "
+            f"divides it in place by the world size ({world}), a power of 2: the same rounding as its "
+            "copy scaled by 1 / world size"
+        )
+    if clones:
+        safe.append(
+            f"{len(clones)} gradients were made by the reducer after the all-reduce as copies of "
+            "their bucket views (a .grad that was None: find_unused_parameters=True, a parameter this "
+            "rank did not use and another did), and afterwards no op writes them and none writes the "
+            "bucket while they are read: with gradient_as_bucket_view=True .grad is that view, and "
+            "the copy is never made"
+        )
     total = sum(g.bytes for g in blamed)
     held = sum(g.bytes for g in blamed if g.id in analysis.alive_ids_at_peak)
     module = next((g.module for g in blamed if g.module), None)
@@ -151,21 +305,14 @@ def ddp_gradient_as_bucket_view(analysis: Analysis) -> list[Diagnosis]:
         fix="DistributedDataParallel(model, gradient_as_bucket_view=True): each .grad becomes its view "
         "of the bucket, and the gradient autograd made is freed once copied in",
         allocations=tuple(blamed),
-        edits=Edits(free_at=free_at),
-        safe_because=(
-            "each gradient was made in this backward and copied into a DDP gradient bucket there (the "
-            "reducer's copy before the all-reduce), and no op read it until the all-reduced bucket was "
-            "copied back into it: with gradient_as_bucket_view=True .grad is that bucket view, "
-            "holding the same values, bit for bit",
-            "after the copy back no op writes the gradient, and none writes the bucket while the "
-            "gradient is still read",
-        ),
+        edits=Edits(remove=frozenset(cloned), free_at=free_at),
+        safe_because=tuple(safe),
         verify_mode="exact",
         module=module.split(".")[0] if module else None,
         sites=(*copy_sites, *(g.site for g in blamed)),
         note="with gradient_as_bucket_view=True each .grad is a view into DDP's bucket: "
         ".grad.detach_() is refused (zero_grad() handles it), and .grad must not be replaced by a "
         "tensor of another layout; the what-if frees each gradient just after the op that copied "
-        "it into its bucket",
+        "it into its bucket" + (", and removes the gradients the reducer copied out of it" if clones else ""),
     )
     return [diagnosis] if diagnosis is not None else []
