@@ -111,6 +111,23 @@ def test_a_small_classification_head_is_not_a_logits_finding() -> None:
     assert findings(trace, "logits-cross-entropy") == []
 
 
+def test_logits_the_program_reads_into_its_own_buffer_are_not_a_logits_finding() -> None:
+    # an out= op (softmax.int_out) makes no storage: it is no view, it reads the logits into a tensor
+    # the program keeps, which the chunked loss (no logits at all) could not fill
+    hidden, weight, target = _lm_head()
+    probs = torch.empty(TOKENS, VOCAB)
+
+    def original() -> None:
+        logits = (hidden * 1.0) @ weight.t()
+        with torch.no_grad():
+            torch.softmax(logits, dim=-1, out=probs)
+        F.cross_entropy(logits, target).backward()
+
+    trace = measure(original).trace
+    assert "aten.softmax.int_out" in [op.op for op in trace.log.ops]
+    assert findings(trace, "logits-cross-entropy") == []
+
+
 # -- upcast-copy -----------------------------------------------------------------------------------
 def test_upcast_copy_counts_the_downstream_buffers_and_staying_narrow_measures_it() -> None:
     hidden, weight, target = _lm_head(torch.bfloat16)

@@ -4,6 +4,7 @@ terminal section, and a trace large enough that a quadratic scan would not finis
 
 from __future__ import annotations
 
+import pytest
 from builder import TraceBuilder
 
 from memtrim.analysis import Edits, analyze
@@ -41,6 +42,31 @@ def test_the_flow_index_gives_producers_outputs_and_readers() -> None:
     assert flow.readers[ids["product"]] == (4,) and flow.outputs[2] == ()
     assert flow.names[3] == "mul" and flow.recorded
     assert flow.next_in(Phase.BACKWARD) == [5] * 5  # none: len(ops)
+
+
+@pytest.mark.parametrize(
+    ("op", "out"),
+    [
+        ("aten.mul.out", True),
+        ("aten.softmax.int_out", True),
+        ("aten.sum.IntList_out", True),
+        ("aten.sort.values", True),
+        ("aten.max.dim_max", True),
+        ("aten.threshold_backward.grad_input", True),
+        ("aten.mul.Tensor", False),
+        ("aten.view.default", False),
+        ("aten.mul_.Tensor", False),
+        ("c10d.allreduce_.default", False),
+    ],
+)
+def test_out_overloads_are_told_from_views(op: str, out: bool) -> None:
+    from memtrim.analysis.flow import writes_out
+    from memtrim.analysis.rules.common import is_view_like
+    from memtrim.trace.model import OpRow
+
+    assert writes_out(op) is out
+    row = OpRow(0, op, Phase.FORWARD, None, None, None, (0, 1))
+    assert is_view_like(row, ()) is (op in ("aten.mul.Tensor", "aten.view.default"))
 
 
 def test_broadcast_then_reduce_on_a_hand_built_trace() -> None:

@@ -37,6 +37,18 @@ def writes_in_place(op: str) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
+OUT_OVERLOADS = frozenset({"out", "values", "grad_input", "dim_max", "dim_min", "dim_values", "output"})
+"""aten's names for the ``out=`` overloads that are not ``out`` or ``*_out`` (``max.dim_max``,
+``sort.values``, ``*_backward.grad_input``)."""
+
+
+def writes_out(op: str) -> bool:
+    """``aten.mul.out``, ``aten.softmax.int_out``, ``aten.sort.values``: an ``out=`` overload, which
+    writes a tensor it was handed (recorded among its inputs) and makes no storage of its own."""
+    overload = op.rsplit(".", 1)[-1] if op.count(".") >= 2 else ""
+    return overload in OUT_OVERLOADS or overload.endswith("_out")
+
+
 class Ragged(Sequence[tuple[int, ...]]):
     """Rows of ints of varying length, stored flat (``flat[start[i]:start[i + 1]]`` is row ``i``): a
     few long lists instead of one container per row, so indexing a large trace does not give the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from memtrim.analysis.flow import base_name, writes_in_place
+from memtrim.analysis.flow import base_name, writes_in_place, writes_out
 from memtrim.trace.model import Allocation, OpRow, Site, shorten_path
 
 ITEMSIZE = {
@@ -93,8 +93,9 @@ def describe(a: Allocation) -> str:
 
 
 def is_view_like(row: OpRow, outputs: tuple[int, ...]) -> bool:
-    """An op that made no storage and wrote none: a view, a reshape that aliases, a metadata query."""
-    return not outputs and not writes_in_place(row.op)
+    """An op that made no storage and wrote none: a view, a reshape that aliases, a metadata query
+    (not an in-place op, nor an ``out=`` one, which read their inputs into a tensor the program holds)."""
+    return not outputs and not writes_in_place(row.op) and not writes_out(row.op)
 
 
 __all__ = [
@@ -112,4 +113,5 @@ __all__ = [
     "numel",
     "where",
     "writes_in_place",
+    "writes_out",
 ]

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING
 
 from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
 from memtrim.analysis.roles import Role
-from memtrim.analysis.rules.common import is_view_like, writes_in_place
+from memtrim.analysis.rules.common import is_view_like, writes_in_place, writes_out
 from memtrim.analysis.whatif import Edits
 from memtrim.trace.model import Allocation, OpRow, Phase, Site
+from memtrim.trace.ranks import recorded_rank
 from memtrim.units import format_bytes
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _writes(row: OpRow, ident: int) -> bool:
     inputs = row.inputs
     if not inputs:
         return False
-    if row.op.endswith(".out"):
+    if writes_out(row.op):
         return inputs[-1] == ident
     return writes_in_place(row.op) and inputs[0] == ident
 
@@ -215,9 +216,8 @@ def _cloned_back(analysis: Analysis, buckets: set[int]) -> dict[int, int]:
 
 
 def _world_size(analysis: Analysis) -> int | None:
-    distributed = analysis.log.metadata.get("distributed")
-    size = distributed.get("world_size") if isinstance(distributed, dict) else None
-    return size if isinstance(size, int) else None
+    recorded = recorded_rank(analysis.log.metadata)
+    return recorded.world_size if recorded is not None else None
 
 
 @DIAGNOSES.register(RULE)
