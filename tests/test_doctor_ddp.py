@@ -7,6 +7,7 @@ from builder import TraceBuilder
 
 from memtrim.analysis import analyze
 from memtrim.trace.model import Fact, Phase
+from memtrim.units import format_bytes
 
 GRAD, TMP = 1000, 1500
 LAYERS = 3
@@ -229,3 +230,36 @@ def test_a_gradient_the_reducer_copies_out_of_the_bucket_is_removed() -> None:
     assert finding.peak_before == (LAYERS + 1) * GRAD + TMP
     assert finding.peak_after == TMP
     assert any("find_unused_parameters" in reason for reason in finding.safe_because)
+
+
+def test_a_region_of_several_steps_names_the_gradients_alive_at_the_peak() -> None:
+    # two steps recorded, each backward making its own gradients (set to None by zero_grad()): the
+    # problem counts those alive at the peak (the first step's optimizer) and the rest as a total
+    b = TraceBuilder()
+    b.op("aten.empty.memory_format", phase=Phase.OTHER)
+    flat = b.alloc(LAYERS * GRAD, preexisting=True, facts=[Fact.GRADIENT_BUCKET])
+    for step in range(2):
+        b.op("aten.relu.default", phase=Phase.FORWARD, line=10)
+        act = b.alloc(100, saved=True)
+        grads = []
+        for _ in range(LAYERS):
+            b.op("aten.mm.default", phase=Phase.BACKWARD, line=10, inputs=(act,))
+            grads.append(b.alloc(GRAD, facts=[Fact.GRADIENT]))
+            _copy_in(b, grads[-1], flat, hook=False)
+        b.op("c10d.allreduce_.default", line=20, inputs=(flat,))
+        b.free(act)
+        for g in grads:
+            b.op("aten.copy_.default", line=20, inputs=(g, flat))
+        b.op("aten.sqrt.default", phase=Phase.OPTIMIZER, line=30, inputs=tuple(grads))
+        b.free(b.alloc(2 * TMP if step == 0 else TMP))
+        b.op("aten.zero_.default", line=31)
+        b.free(*grads)
+    (finding,) = _findings(b)
+    assert finding.peak_before == LAYERS * GRAD + 2 * TMP
+    assert finding.peak_after == 2 * TMP
+    held, total = format_bytes(LAYERS * GRAD), format_bytes(2 * LAYERS * GRAD)
+    assert finding.problem.startswith(f"{LAYERS} gradients ({held}) alive at the peak")
+    assert f"({2 * LAYERS} in all, {total}, over the region's 2 backward passes)" in finding.problem
+    # one backward pass: nothing to add
+    (single,) = _findings(_ddp_step())
+    assert "in all" not in single.problem

@@ -289,18 +289,29 @@ def ddp_gradient_as_bucket_view(analysis: Analysis) -> list[Diagnosis]:
             "the copy is never made"
         )
     total = sum(g.bytes for g in blamed)
-    held = sum(g.bytes for g in blamed if g.id in analysis.alive_ids_at_peak)
+    at_peak = [g for g in blamed if g.id in analysis.alive_ids_at_peak]
+    held = sum(g.bytes for g in at_peak)
+    # a region of several steps: the gradients of each backward pass, and (after DDP's first step) a
+    # rebuilt bucket; the problem names what is alive at the peak, and the rest as a count
+    passes = sum(
+        1
+        for seq, row in enumerate(ops)
+        if row.phase is Phase.BACKWARD and (seq == 0 or ops[seq - 1].phase is not Phase.BACKWARD)
+    )
     module = next((g.module for g in blamed if g.module), None)
     diagnosis = finding(
         analysis,
         rule=RULE,
         site=copy_sites[0],
         problem=(
-            f"{len(blamed)} gradients ({format_bytes(total)}) live on beside DDP's gradient "
-            + ("buckets" if len(into) > 1 else "bucket")
-            + f" ({format_bytes(sum(allocations[b].bytes for b in into))}), which "
-            + ("hold" if len(into) > 1 else "holds")
-            + f" a second copy of them: {format_bytes(held)} of them alive at the peak"
+            f"{len(at_peak)} gradients ({format_bytes(held)}) alive at the peak live on beside DDP's "
+            + ("gradient buckets, which hold" if len(into) > 1 else "gradient bucket, which holds")
+            + " a second copy of them"
+            + (
+                f" ({len(blamed)} in all, {format_bytes(total)}, over the region's {passes} backward passes)"
+                if passes > 1 and len(blamed) > len(at_peak)
+                else ""
+            )
         ),
         fix="DistributedDataParallel(model, gradient_as_bucket_view=True): each .grad becomes its view "
         "of the bucket, and the gradient autograd made is freed once copied in",
