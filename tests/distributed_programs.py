@@ -427,6 +427,7 @@ def all_steps(rank: int, world: int, port: int, out: str) -> None:
     for step in result.values():
         step.pop("trace", None)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -57,6 +57,18 @@ def _assert_events_equal_profiler(result: dict[str, Any]) -> None:
         assert abs(result["memtrim_peak"] - result["profiler_peak"]) <= moved
 
 
+def _the_finding(result: dict[str, Any], rule: str) -> dict[str, Any]:
+    """The one finding of ``rule`` on a run; a skip where there is none because gloo's worker thread
+    moved a collective buffer's free in every attempt (the peak may then not be where the blamed
+    bytes are alive, and the rule rightly says nothing): a settled run must have it."""
+    findings = [d for d in result["diagnoses"] if d["rule"] == rule]
+    if not findings:
+        assert not _settled(result), f"a settled trace got no {rule} finding"
+        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
+    (finding,) = findings
+    return finding
+
+
 def _assert_fix_measured(
     finding: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *, settled_peak_moves: bool
 ) -> None:
@@ -169,13 +181,7 @@ def test_reshard_after_forward_false_is_diagnosed_and_the_fix_measured(
     kept, resharded = ranks[rank]["fsdp_kept"], ranks[rank]["fsdp_resharded"]
     _assert_events_equal_profiler(kept)
     _assert_events_equal_profiler(resharded)
-    findings = [d for d in kept["diagnoses"] if d["rule"] == "fsdp-reshard-after-forward"]
-    if not findings:
-        # where gloo's worker thread moved a collective buffer's free in every attempt, the peak may
-        # not be where the kept parameters are alive, and the rule rightly says nothing
-        assert not _settled(kept), "a settled trace with reshard_after_forward=False got no finding"
-        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
-    (finding,) = findings
+    finding = _the_finding(kept, "fsdp-reshard-after-forward")
     assert finding["site"] == f"tests/distributed_programs.py:{_line('LAYER_LINE')} in forward"
     assert finding["module"] == "FSDPMlp.layers.0"
     # layer 0 alone: layer 1's all-gather, prefetched in layer 2's backward (the peak), is as large as
@@ -204,13 +210,7 @@ def test_gradient_as_bucket_view_false_is_diagnosed_and_the_fix_measured(
     _assert_events_equal_profiler(views)
     # gradient_as_bucket_view=True: silent (each gradient is freed right after its copy into the bucket)
     assert [d for d in views["diagnoses"] if d["rule"] == "ddp-gradient-as-bucket-view"] == []
-    findings = [d for d in copies["diagnoses"] if d["rule"] == "ddp-gradient-as-bucket-view"]
-    if not findings:
-        # where gloo's worker thread moved a collective buffer's free in every attempt, the peak may
-        # not be where the gradients are alive, and the rule rightly says nothing
-        assert not _settled(copies), "a settled trace with gradient_as_bucket_view=False got no finding"
-        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
-    (finding,) = findings
+    finding = _the_finding(copies, "ddp-gradient-as-bucket-view")
     # the reducer copies each gradient into its bucket at the backward() line
     assert finding["site"] == f"tests/distributed_programs.py:{_line('BUCKET_VIEW_LINE')} in step"
     assert finding["module"] == "DistributedDataParallel"
@@ -234,11 +234,7 @@ def test_a_gradient_the_reducer_copies_out_of_the_bucket_is_blamed_too(
     _assert_events_equal_profiler(copies)
     _assert_events_equal_profiler(views)
     assert [d for d in views["diagnoses"] if d["rule"] == "ddp-gradient-as-bucket-view"] == []
-    findings = [d for d in copies["diagnoses"] if d["rule"] == "ddp-gradient-as-bucket-view"]
-    if not findings:
-        assert not _settled(copies), "a settled trace with gradient_as_bucket_view=False got no finding"
-        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
-    (finding,) = findings
+    finding = _the_finding(copies, "ddp-gradient-as-bucket-view")
     # (find_unused_parameters all-reduces a small map of used parameters in backward too)
     bucket = max(a["bytes"] for a in copies["allocations"] if a["role"] == "gradient_bucket")
     assert finding["bytes_at_stake"] == bucket
@@ -311,11 +307,7 @@ def test_saved_all_gather_is_diagnosed_and_checkpointing_it_measured(
     # gathered size
     assert _bytes_of(gathered, "reduce_scatter_buffer") == 4 * gathered["gathered_bytes"]
     rule = "all-gather-saved-for-backward"
-    findings = [d for d in gathered["diagnoses"] if d["rule"] == rule]
-    if not findings:
-        assert not _settled(gathered), "a settled trace of the gathered program got no finding"
-        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
-    (finding,) = findings
+    finding = _the_finding(gathered, rule)
     site = f"tests/distributed_programs.py:{_line('SP_GATHER_LINE')} in sp_layer"
     assert finding["site"] == site
     assert f"distributed_programs.py:{_line('SP_MIX_LINE')}" in finding["fix"]
@@ -343,11 +335,7 @@ def test_a_c10d_all_gather_in_a_custom_function_is_diagnosed_at_its_line(
     # Megatron-LM's form: dist.all_gather_into_tensor inside a custom autograd.Function; torch wraps
     # it in typing_extensions' @deprecated, whose frame is not the user's line
     c10d, functional = ranks[rank]["sp_c10d"], ranks[rank]["sp_gathered"]
-    findings = [d for d in c10d["diagnoses"] if d["rule"] == "all-gather-saved-for-backward"]
-    if not findings:
-        assert not _settled(c10d), "a settled trace of the c10d program got no finding"
-        pytest.skip("gloo's worker thread moved a collective buffer's free in every attempt")
-    (finding,) = findings
+    finding = _the_finding(c10d, "all-gather-saved-for-backward")
     assert finding["site"] == f"tests/distributed_programs.py:{_line('SP_C10D_GATHER_LINE')} in forward"
     assert finding["bytes_at_stake"] == distributed_programs.SP_LAYERS * c10d["gathered_bytes"]
     # the same tensors as the functional all-gather's program: the same peak and prediction

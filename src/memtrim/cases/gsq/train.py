@@ -185,14 +185,21 @@ def run(cfg: TrainConfig, export: str | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     rank, world_size, owns_group = _world()
     threads = torch.get_num_threads()
+    finished = False
     try:
         cfg.validate(world_size)
         # The run seeds and sets threads for itself; the caller's RNG state and thread count come back.
         with torch.random.fork_rng(devices=[]):
             summary = _run(cfg, rank, world_size, export)
+        finished = True
     finally:
         torch.set_num_threads(threads)
         if owns_group:
+            if finished:
+                # every rank done with its collectives before any tears gloo down: a rank whose peer
+                # closed the connection mid-operation can abort in gloo's threads (seen once in a
+                # 2-rank run here: "terminate called without an active exception", SIGABRT)
+                dist.barrier()
             dist.destroy_process_group()
     summary["seconds"] = round(time.perf_counter() - start, 3)
     return summary
