@@ -29,7 +29,7 @@ import transformers
 
 import memtrim
 from memtrim.analysis import analyze
-from memtrim.analysis.diagnoses import diagnose
+from memtrim.doctor.diagnosis import diagnose
 from memtrim.trace.model import AllocationLog, AllocRow, FreeRow, OpLog, OpRow, TraceLog
 
 

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import distributed_programs as dp
 
-from memtrim.analysis.rules.common import module_expression
+from memtrim.doctor.rules.common import module_expression
 
 WORLD = 2
 RULE, GATHER_RULE = "fsdp-reshard-after-forward", "all-gather-saved-for-backward"

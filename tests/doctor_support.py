@@ -11,7 +11,8 @@ import torch
 from groundtruth import ProfiledMemory, profiler_memory
 
 import memtrim
-from memtrim.analysis import Diagnosis, Edits
+from memtrim.analysis import Edits
+from memtrim.doctor import Diagnosis
 
 PROFILER_SLACK = 64
 """Bytes torch.profiler sees that no dispatch mode can: Python numbers wrapped as 8-byte tensors by the

@@ -1,9 +1,10 @@
 """The pipeline's import rules (docs/ARCHITECTURE.md), checked on the source: data flows one way.
 
-trace imports nothing of memtrim; capture -> trace; analysis -> trace; report -> analysis, trace;
-verify/bench/fixes -> capture, analysis, report, trace; api, cases, cli and the package itself on
-top. ``memtrim.registry`` and ``memtrim.units`` are leaves any stage may import. Every import counts,
-also one inside a function or under ``TYPE_CHECKING``: a lazy import is still an edge.
+trace imports nothing of memtrim; capture -> trace; analysis -> trace; doctor -> analysis, trace;
+report -> doctor, analysis, trace; verify/bench/fixes -> capture, doctor, analysis, report, trace; api,
+cases, cli and the package itself on top. ``memtrim.registry`` and ``memtrim.units`` are leaves any
+stage may import. Every import counts, also one inside a function or under ``TYPE_CHECKING``: a lazy
+import is still an edge.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import memtrim
 
 SRC = Path(memtrim.__file__).parent
 LEAVES = {"registry", "units"}
-LOWER = {"trace", "capture", "analysis", "report"}
+LOWER = {"trace", "capture", "analysis", "doctor", "report"}
 ALLOWED: dict[str, set[str]] = {
     "trace": set(),
     "capture": {"trace"},
     "analysis": {"trace"},
-    "report": {"analysis", "trace"},
+    "doctor": {"analysis", "trace"},
+    "report": {"doctor", "analysis", "trace"},
     "verify": LOWER,
     "bench": LOWER,
     "fixes": LOWER,

@@ -7,8 +7,8 @@ from groundtruth import profiler_memory
 from programs import ScaledDifference
 
 import memtrim
-from memtrim.analysis.diagnoses import DIAGNOSES
 from memtrim.cases.heads import head_results, head_results_broadcast
+from memtrim.doctor.diagnosis import DIAGNOSES
 
 
 class InPlace(ScaledDifference):

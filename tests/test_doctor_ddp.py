@@ -6,6 +6,7 @@ from __future__ import annotations
 from builder import TraceBuilder
 
 from memtrim.analysis import analyze
+from memtrim.doctor import diagnoses
 from memtrim.trace.model import Fact, Phase
 from memtrim.units import format_bytes
 
@@ -121,7 +122,7 @@ def _copy_in(b: TraceBuilder, g: int, flat: int, hook: bool) -> None:
 
 def _findings(b: TraceBuilder, world: int | None = None) -> list:
     metadata = {} if world is None else {"distributed": {"rank": 0, "world_size": world, "backend": "gloo"}}
-    return [d for d in analyze(b.build(metadata=metadata)).diagnoses if d.rule == RULE]
+    return [d for d in diagnoses(analyze(b.build(metadata=metadata))) if d.rule == RULE]
 
 
 def test_gradients_kept_beside_their_bucket_copy_are_diagnosed() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from builder import TraceBuilder
 
 from memtrim.analysis import analyze
+from memtrim.doctor import diagnoses
 from memtrim.trace.model import Fact, Phase
 
 UNSHARDED, GATHER, ACT, TMP, ROOT = 1000, 1000, 100, 1500, 1000
@@ -72,7 +73,7 @@ def _fsdp_step(
 
 
 def _findings(b: TraceBuilder) -> list:
-    return [d for d in analyze(b.build()).diagnoses if d.rule == "fsdp-reshard-after-forward"]
+    return [d for d in diagnoses(analyze(b.build())) if d.rule == "fsdp-reshard-after-forward"]
 
 
 def test_kept_unsharded_parameters_are_diagnosed_with_fsdp2s_schedule() -> None:

@@ -14,7 +14,8 @@ from test_doctor_fsdp import _fsdp_step
 
 import memtrim
 from memtrim.analysis import analyze
-from memtrim.analysis.rules.gather import RNG_STATE_BYTES
+from memtrim.doctor import diagnoses
+from memtrim.doctor.rules.gather import RNG_STATE_BYTES
 from memtrim.trace.model import Fact, Phase
 
 RULE = "all-gather-saved-for-backward"
@@ -101,7 +102,7 @@ def _sequence_parallel(
 
 
 def _findings(b: TraceBuilder) -> list:
-    return [d for d in analyze(b.build()).diagnoses if d.rule == RULE]
+    return [d for d in diagnoses(analyze(b.build())) if d.rule == RULE]
 
 
 def test_a_saved_gathered_tensor_is_diagnosed_with_checkpoints_schedule() -> None:
@@ -137,7 +138,7 @@ def test_silent_on_fsdp2s_unsharded_parameters() -> None:
     # saved by the matmul, made by an all-gather, but FSDP2's: fsdp-reshard-after-forward's bytes
     assert _findings(_sequence_parallel(fsdp=True)) == []
     trace = analyze(_fsdp_step().build())
-    rules = [d.rule for d in trace.diagnoses]
+    rules = [d.rule for d in diagnoses(trace)]
     assert "fsdp-reshard-after-forward" in rules and RULE not in rules
 
 

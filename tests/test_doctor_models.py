@@ -304,7 +304,7 @@ def test_gpt2_blocks_are_checkpoint_candidates_where_module_paths_name_them() ->
 
 def test_the_chunk_size_is_the_prescriptions_own() -> None:
     fixes = pytest.importorskip("memtrim.fixes")
-    from memtrim.analysis.rules.loss import chunk_size
+    from memtrim.doctor.rules.loss import chunk_size
 
     for tokens, vocab, hidden, dtype in [
         (1024, 50257, 768, torch.float32),

@@ -22,10 +22,10 @@ from programs import ScaledDifference
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrim.analysis.rules.elementwise import einsum_equation
 from memtrim.cases.gsq import GumbelQuantizer2Bit, minmax_scales
 from memtrim.cases.gsq import function as gsq_function
 from memtrim.cases.heads import head_results, head_results_broadcast
+from memtrim.doctor.rules.elementwise import einsum_equation
 
 
 def line_of(marker: str) -> int:

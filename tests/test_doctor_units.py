@@ -8,7 +8,8 @@ import pytest
 from builder import TraceBuilder
 
 from memtrim.analysis import Edits, analyze
-from memtrim.analysis.diagnoses import MATERIAL, finding
+from memtrim.doctor import diagnoses
+from memtrim.doctor.diagnosis import MATERIAL, finding
 from memtrim.report.json import diagnosis_json, summary
 from memtrim.report.terminal import render
 from memtrim.trace.model import Phase
@@ -61,7 +62,7 @@ def test_the_flow_index_gives_producers_outputs_and_readers() -> None:
 )
 def test_out_overloads_are_told_from_views(op: str, out: bool) -> None:
     from memtrim.analysis.flow import writes_out
-    from memtrim.analysis.rules.common import is_view_like
+    from memtrim.doctor.rules.common import is_view_like
     from memtrim.trace.model import OpRow
 
     assert writes_out(op) is out
@@ -73,7 +74,7 @@ def test_broadcast_then_reduce_on_a_hand_built_trace() -> None:
     b = TraceBuilder()
     ids = _broadcast(b)
     analysis = analyze(b.build())
-    (d,) = analysis.diagnoses
+    (d,) = diagnoses(analysis)
     assert d.rule == "broadcast-then-reduce" and d.site is not None and d.site.line == 3
     assert d.fix.startswith("torch.einsum('abc,bcd->abd', x, y)")
     assert [a.id for a in d.allocations] == [ids["product"]]
@@ -85,13 +86,13 @@ def test_a_product_read_by_something_besides_its_reduction_is_left_alone() -> No
     ids = _broadcast(b)
     b.op("aten.exp.default", line=4, inputs=(ids["product"],))  # the product is needed
     b.alloc(MiB)
-    assert analyze(b.build()).diagnoses == ()
+    assert diagnoses(analyze(b.build())) == ()
 
 
 def test_max_of_a_product_is_not_an_einsum() -> None:
     b = TraceBuilder()
     _broadcast(b, reduce="aten.amax.default")
-    assert analyze(b.build()).diagnoses == ()
+    assert diagnoses(analyze(b.build())) == ()
 
 
 def test_finding_needs_a_material_saving_of_something_alive_at_the_peak() -> None:
@@ -127,7 +128,7 @@ def test_kept_output_needs_a_computed_unread_unsaved_result_alive_into_backward(
     b.op("aten.mul.Tensor", line=6, inputs=(read_later,))
     b.alloc(MiB)
     analysis = analyze(b.build())
-    kept = [d for d in analysis.diagnoses if d.rule == "kept-output"]
+    kept = [d for d in diagnoses(analysis) if d.rule == "kept-output"]
     assert (
         kept == []
     )  # logits is read by the first backward op; read_later in backward; factory made from nothing
@@ -142,7 +143,7 @@ def test_kept_output_needs_a_computed_unread_unsaved_result_alive_into_backward(
     b.op("aten.mul.Tensor", phase=Phase.BACKWARD, line=5, inputs=(x,))
     b.alloc(4 * MiB)
     analysis = analyze(b.build())
-    (d,) = [d for d in analysis.diagnoses if d.rule == "kept-output"]
+    (d,) = [d for d in diagnoses(analysis) if d.rule == "kept-output"]
     assert d.site is not None and d.site.line == 2
     assert d.edits.free_at[logits] < analysis.log.ops.rows[3].tick  # freed before backward starts
 
@@ -161,7 +162,7 @@ def test_a_chain_stops_at_a_saved_result_and_at_a_later_read() -> None:
             b.alloc(4)
         b.free(x, y, z)
         analysis = analyze(b.build())
-        return [[a.id for a in d.allocations] for d in analysis.diagnoses if d.rule == "out-of-place-chain"]
+        return [[a.id for a in d.allocations] for d in diagnoses(analysis) if d.rule == "out-of-place-chain"]
 
     assert removed() == [[1, 2]]  # x -> y -> z: y and z are written into x
     assert removed(saved_middle=True) == [[1]]  # y is saved: nothing may be written into it
@@ -172,7 +173,7 @@ def test_diagnosis_json_has_every_field_the_issue_lists() -> None:
     b = TraceBuilder()
     _broadcast(b)
     analysis = analyze(b.build())
-    (d,) = analysis.diagnoses
+    (d,) = diagnoses(analysis)
     data = diagnosis_json(d)
     for key in ("rule", "file", "line", "function", "module", "problem", "fix", "bytes_at_stake"):
         assert key in data
@@ -199,7 +200,7 @@ def test_the_terminal_section_is_three_lines_per_finding() -> None:
     assert len(section) == 4
     assert section[1].startswith("  - prog.py:3 in <module>: [64, 12, 64, 768] float32 broadcast product")
     assert section[2].startswith("    write: torch.einsum('abc,bcd->abd', x, y)")
-    (d,) = analysis.diagnoses
+    (d,) = diagnoses(analysis)
     assert section[3] == (
         f"    peak after: {format_change(d.peak_before, d.peak_after)} [broadcast-then-reduce]; "
         "prove it: memtrim.verify(..., mode='reference')"
@@ -226,6 +227,6 @@ def test_a_large_trace_is_diagnosed_in_linear_passes() -> None:
         b.free(z, w)
     analysis = analyze(b.build())
     assert len(analysis.log.ops) == 12_501
-    (d,) = analysis.diagnoses
+    (d,) = diagnoses(analysis)
     # x comes from a factory under grad mode (it may be a leaf that requires grad): the chain is y -> z
     assert d.rule == "out-of-place-chain" and len(d.allocations) == 2500

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from memtrim.analysis import CATEGORY_RULES, DIAGNOSES, ROLE_RULES
+from memtrim.analysis import CATEGORY_RULES, ROLE_RULES
 from memtrim.analysis.allocator import CHARGE_RULES
+from memtrim.doctor import DIAGNOSES
 from memtrim.registry import DuplicateRegistration, Registry, UnknownKey
 
 

@@ -7,10 +7,11 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 
 from __future__ import annotations
 
-from memtrim.analysis import Analysis, Category, Diagnosis, LineGroup, Peak, analyze
+from memtrim.analysis import Analysis, Category, LineGroup, Peak, analyze
 from memtrim.api import Diff, RanksDiff, Trace, diff, diff_ranks, load, track
 from memtrim.capture.distributed import fake_world
 from memtrim.capture.regions import region
+from memtrim.doctor import Diagnosis
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
 __version__ = "0.1.0"

@@ -13,12 +13,13 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from memtrim.analysis import Analysis, Diagnosis, LineGroup, Peak, analyze
+from memtrim.analysis import Analysis, LineGroup, Peak, analyze
 from memtrim.analysis.diff import LineChange, TraceDiff
 from memtrim.analysis.diff import diff as diff_analyses
 from memtrim.analysis.rankdiff import RankSetDiff, diff_rank_sets
 from memtrim.capture.api import record
 from memtrim.capture.source import remember_source_lines
+from memtrim.doctor import Diagnosis, diagnoses
 from memtrim.report import json as report_json
 from memtrim.report import rankdiff as report_rankdiff
 from memtrim.report.diff import render_html as render_diff_html
@@ -125,7 +126,7 @@ class Trace:
 
     def diagnoses(self) -> list[Diagnosis]:
         """The "How to cut it" findings, largest saving first."""
-        return list(self.analysis.diagnoses)
+        return list(diagnoses(self.analysis))
 
     # -- reports --------------------------------------------------------------------------------------
     def report(self, *, top: int = 5) -> str:

@@ -119,7 +119,7 @@ def _write_views(trace: Trace, args: argparse.Namespace) -> None:
 
 def _report(trace: Trace, args: argparse.Namespace) -> None:
     with progress("analysing the trace"):
-        _ = trace.analysis.diagnoses  # the analysis and its diagnoses, computed once
+        trace.diagnoses()  # the analysis and its diagnoses, computed once
     print(json.dumps(trace.to_dict()["peak"]) if args.json else trace.report(top=args.top))
 
 

@@ -40,7 +40,7 @@ class Registry(Generic[K, V]):
     """Keys -> registered values, duplicates refused.
 
     ``what`` names the kind of rule for messages (``"diagnosis rule"``); ``how`` says how to add one
-    (``"memtrim.analysis.diagnoses.rule"``).
+    (``"memtrim.doctor.diagnosis.rule"``).
     """
 
     __slots__ = ("_items", "how", "what")

@@ -1,9 +1,8 @@
 """The analysis stage: one :class:`Analysis` per trace log (peaks, live sets, categories, temporaries,
-what-if, diagnoses), computed once."""
+what-if), computed once. The diagnosis rules read it from the stage above (:mod:`memtrim.doctor`)."""
 
 from memtrim.analysis.analysis import Analysis, Breakdown, Failure, LineGroup, analyze, group_by_line
 from memtrim.analysis.categories import CATEGORY_RULES, Category, categorize
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, diagnose
 from memtrim.analysis.footprint import Footprint, peak_change
 from memtrim.analysis.roles import ROLE_RULES, Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, sweep
@@ -11,13 +10,11 @@ from memtrim.analysis.whatif import Added, Edits, replay
 
 __all__ = [
     "CATEGORY_RULES",
-    "DIAGNOSES",
     "ROLE_RULES",
     "Added",
     "Analysis",
     "Breakdown",
     "Category",
-    "Diagnosis",
     "Edits",
     "Failure",
     "Footprint",
@@ -27,7 +24,6 @@ __all__ = [
     "Role",
     "analyze",
     "categorize",
-    "diagnose",
     "group_by_line",
     "peak_change",
     "replay",

@@ -2,26 +2,28 @@
 
 ``analyze(log)`` sweeps each device's allocation events once (:mod:`~memtrim.analysis.timeline`),
 decides every allocation's category once (:mod:`~memtrim.analysis.categories`), and answers the rest
-from those: peaks, per-phase peaks, the live set at the peak, temporaries; diagnoses are computed on
-first use and kept. Reporters and the public ``Trace`` read from it; nothing here calls back into
-the trace's objects for derived facts.
+from those: peaks, per-phase peaks, the live set at the peak, temporaries. Reporters and the public
+``Trace`` read from it; nothing here calls back into the trace's objects for derived facts. Stages above
+(the doctor's diagnoses) keep what they derive from it in :meth:`Analysis.memo`, computed once too.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from memtrim.analysis.categories import Category, categorize
-from memtrim.analysis.diagnoses import Diagnosis, diagnose
 from memtrim.analysis.failure import requested_bytes
 from memtrim.analysis.flow import Flow, build_flow
 from memtrim.analysis.roles import Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
 from memtrim.trace.model import Allocation, OpCall, Phase, Site, TraceLog
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Analysis:
     temporaries: tuple[Allocation, ...]
     """Made and freed in the same phase, largest first."""
     _charged_peaks: dict[str, Peak] = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def allocations(self) -> list[Allocation]:
@@ -276,10 +279,12 @@ class Analysis:
         )
         return frozenset((*(a.id for a in self.live_at_peak), *before))
 
-    @functools.cached_property
-    def diagnoses(self) -> tuple[Diagnosis, ...]:
-        """Every diagnosis rule's findings that would lower the peak, largest saving first."""
-        return tuple(diagnose(self))
+    def memo(self, key: str, compute: Callable[[], T]) -> T:
+        """``compute()``, made once per analysis and kept under ``key``: how a stage above (the doctor)
+        caches what it derives from this analysis without the analysis importing it."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]  # type: ignore[return-value]
 
 
 def analyze(log: TraceLog) -> Analysis:

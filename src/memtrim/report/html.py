@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any
 
 from memtrim.analysis import Analysis, Role
+from memtrim.doctor import diagnoses
 from memtrim.report.series import Layer, Timeline, timeline
 from memtrim.report.svg import layer_colors, text, timeline_svg
 from memtrim.trace.model import Allocation, Site, shape_text, site_text
@@ -253,7 +254,7 @@ def _temporaries(analysis: Analysis, top: int) -> str:
 
 
 def _diagnoses(analysis: Analysis, top: int) -> str:
-    findings = analysis.diagnoses[:top]
+    findings = diagnoses(analysis)[:top]
     if not findings:
         return ""
     out = ["<h2>How to cut it</h2>"]

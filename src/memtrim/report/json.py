@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrim.analysis import Analysis, Breakdown, Diagnosis, LineGroup, Peak
+from memtrim.analysis import Analysis, Breakdown, LineGroup, Peak
+from memtrim.doctor import Diagnosis, diagnoses
 from memtrim.trace.model import Allocation
 
 
@@ -108,7 +109,7 @@ def summary(analysis: Analysis, *, rows: int = 20) -> dict[str, Any]:
         },
         "live_at_peak": [line_group_json(g) for g in analysis.lines_at_peak[:rows]],
         "largest_temporaries": [allocation_json(analysis, a) for a in analysis.largest_temporaries(rows)],
-        "diagnoses": [diagnosis_json(d) for d in analysis.diagnoses],
+        "diagnoses": [diagnosis_json(d) for d in diagnoses(analysis)],
         "alive_at_failure": failure_json(analysis),
     }
 

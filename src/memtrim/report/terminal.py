@@ -6,6 +6,7 @@ import re
 import textwrap
 
 from memtrim.analysis import Analysis, Breakdown, LineGroup
+from memtrim.doctor import diagnoses
 from memtrim.report.escape import safe
 from memtrim.trace.model import Site, shape_text, site_text
 from memtrim.units import format_bytes, format_change
@@ -196,7 +197,7 @@ def _module_text(module: str | None) -> str:
 def _how_to_cut_it(analysis: Analysis, top: int) -> list[str]:
     """Each finding in three lines, largest saving first: the line and what is wrong there, what to
     write instead, and the peak after (the what-if replay), with the verify mode that proves the fix."""
-    findings = analysis.diagnoses[:top]
+    findings = diagnoses(analysis)[:top]
     if not findings:
         if analysis.log.ops and not analysis.flow.recorded:
             return [

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import base_name, describe, where
 from memtrim.analysis.whatif import Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import base_name, describe, where
 from memtrim.trace.model import Allocation, Phase, Site
 
 if TYPE_CHECKING:

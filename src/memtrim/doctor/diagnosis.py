@@ -10,7 +10,7 @@ Add a rule with ``@DIAGNOSES.register("name")``: it receives the analysis and re
 with :func:`finding` (which runs the what-if and drops fixes that would not lower the peak by at least
 :data:`MATERIAL` of it). Rules read the data-flow index ``analysis.flow`` (producer and readers of
 every allocation) and never scan the trace per allocation. The rules live in
-:mod:`memtrim.analysis.rules`.
+:mod:`memtrim.doctor.rules`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Diagnosis:
 
 Rule = Callable[["Analysis"], Iterable[Diagnosis]]
 DIAGNOSES: Registry[str, Rule] = Registry(
-    "diagnosis rule", "memtrim.analysis.diagnoses.DIAGNOSES.register(name)"
+    "diagnosis rule", "memtrim.doctor.diagnosis.DIAGNOSES.register(name)"
 )
 
 
@@ -138,4 +138,4 @@ def diagnose(analysis: Analysis) -> list[Diagnosis]:
 
 
 # The rules register themselves on import; they import this module's names, defined above.
-from memtrim.analysis import rules as _rules  # noqa: E402, F401
+from memtrim.doctor import rules as _rules  # noqa: E402, F401

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memtrim.analysis.categories import Category
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
 from memtrim.analysis.roles import Role
-from memtrim.analysis.rules.common import dims, lines_text, where
 from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import dims, lines_text, where
 from memtrim.trace.model import Allocation, Fact, Phase, Site
 from memtrim.units import format_bytes
 

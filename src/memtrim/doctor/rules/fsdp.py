@@ -29,10 +29,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
 from memtrim.analysis.roles import Role
-from memtrim.analysis.rules.common import module_expression
 from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import module_expression
 from memtrim.trace.model import Allocation, Phase
 from memtrim.units import format_bytes
 

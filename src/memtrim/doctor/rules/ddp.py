@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
 from memtrim.analysis.roles import Role
-from memtrim.analysis.rules.common import is_view_like, writes_in_place, writes_out
 from memtrim.analysis.whatif import Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import is_view_like, writes_in_place, writes_out
 from memtrim.trace.model import Allocation, OpRow, Phase, Site
 from memtrim.trace.ranks import recorded_rank
 from memtrim.units import format_bytes

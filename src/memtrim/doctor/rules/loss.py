@@ -8,8 +8,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import (
+from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import (
     HALF,
     ITEMSIZE,
     base_name,
@@ -21,7 +22,6 @@ from memtrim.analysis.rules.common import (
     numel,
     where,
 )
-from memtrim.analysis.whatif import Added, Edits
 from memtrim.trace.model import Allocation, OpRow, Phase, Site
 
 if TYPE_CHECKING:

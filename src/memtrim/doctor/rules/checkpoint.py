@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import attribute_path, numel
 from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import attribute_path, numel
 from memtrim.trace.model import Allocation, Phase, Site
 from memtrim.units import format_bytes
 

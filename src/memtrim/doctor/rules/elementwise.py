@@ -7,8 +7,9 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import (
+from memtrim.analysis.whatif import Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import (
     base_name,
     dims,
     is_float,
@@ -18,7 +19,6 @@ from memtrim.analysis.rules.common import (
     where,
     writes_in_place,
 )
-from memtrim.analysis.whatif import Edits
 from memtrim.trace.model import Allocation, Phase, Site
 
 if TYPE_CHECKING:

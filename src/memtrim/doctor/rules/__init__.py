@@ -1,5 +1,5 @@
 """The diagnosis rules, one small function each, registered on
-:data:`memtrim.analysis.diagnoses.DIAGNOSES` when this package is imported:
+:data:`memtrim.doctor.diagnosis.DIAGNOSES` when this package is imported:
 
 - ``logits-cross-entropy``, ``upcast-copy`` (:mod:`.loss`)
 - ``kept-output``, ``cache-in-training`` (:mod:`.kept`)
@@ -11,6 +11,6 @@
 - ``all-gather-saved-for-backward`` (:mod:`.gather`)
 """
 
-from memtrim.analysis.rules import checkpoint, ddp, elementwise, fsdp, gather, kept, loss, optimizer
+from memtrim.doctor.rules import checkpoint, ddp, elementwise, fsdp, gather, kept, loss, optimizer
 
 __all__ = ["checkpoint", "ddp", "elementwise", "fsdp", "gather", "kept", "loss", "optimizer"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memtrim.analysis.categories import Category
-from memtrim.analysis.diagnoses import DIAGNOSES, Diagnosis, finding
-from memtrim.analysis.rules.common import where, writes_in_place
 from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
+from memtrim.doctor.rules.common import where, writes_in_place
 from memtrim.trace.model import Allocation, Fact, Phase, Site
 from memtrim.units import format_bytes
 
