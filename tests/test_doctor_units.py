@@ -183,7 +183,7 @@ def test_diagnosis_json_has_every_field_the_issue_lists() -> None:
     assert summary(analysis)["diagnoses"] == [data]
 
 
-def test_the_terminal_section_is_three_lines_per_finding() -> None:
+def test_the_terminal_section_is_a_few_lines_per_finding_and_its_code_runs_as_printed() -> None:
     b = TraceBuilder()
     _broadcast(b)
     analysis = analyze(b.build())
@@ -192,19 +192,30 @@ def test_the_terminal_section_is_three_lines_per_finding() -> None:
     assert max(len(line) for line in lines) <= 100  # wrapped under each item's own indent
     section = lines[:1]
     for line in lines[1:]:
-        if line.startswith(("  - ", "    write: ", "    peak after: ")):
+        if line.startswith(("  - ", "    write: ", "    peak after: ", "    keeps: ")):
             section.append(line)
         else:  # a continuation, indented under its item
             assert line.startswith("    ")
-            section[-1] += " " + line.strip()
-    assert len(section) == 4
+            section[-1] += "\n" + line
+    assert len(section) == 5
     assert section[1].startswith("  - prog.py:3 in <module>: [64, 12, 64, 768] float32 broadcast product")
     assert section[2].startswith("    write: torch.einsum('abc,bcd->abd', x, y)")
     (d,) = diagnoses(analysis)
     assert section[3] == (
-        f"    peak after: {format_change(d.peak_before, d.peak_after)} [broadcast-then-reduce]; "
-        "prove it: memtrim.verify(..., mode='reference')"
+        f"    peak after: {format_change(d.peak_before, d.peak_after)} [broadcast-then-reduce]"
     )
+    head, *code = section[4].split("\n")
+    assert head == "    keeps: no less accurate than before; prove it:"
+    assert len(code) == 2 and all(line.startswith("      ") for line in code)
+    # the hint runs as printed, with the names it names bound to the program's code before and after
+    import torch
+
+    namespace = {
+        "original": lambda x, y: (x[..., None] * y).sum(-2),
+        "rewrite": lambda x, y: torch.einsum("abc,bcd->abd", x, y),
+        "inputs": (torch.randn(2, 3, 4, requires_grad=True), torch.randn(3, 4, 5, requires_grad=True)),
+    }
+    exec("\n".join(line[6:] for line in code), namespace)
 
 
 def test_a_large_trace_is_diagnosed_in_linear_passes() -> None:

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memtrim.doctor.diagnosis import DIAGNOSES, MATERIAL, Diagnosis, VerifyMode, diagnose, finding
+from memtrim.doctor.diagnosis import (
+    DIAGNOSES,
+    KEEPS,
+    MATERIAL,
+    PROOF,
+    Diagnosis,
+    Keeps,
+    VerifyMode,
+    diagnose,
+    finding,
+)
 
 if TYPE_CHECKING:
     from memtrim.analysis import Analysis
@@ -21,4 +31,15 @@ def diagnoses(analysis: Analysis) -> tuple[Diagnosis, ...]:
     return analysis.memo("doctor.diagnoses", lambda: tuple(diagnose(analysis)))
 
 
-__all__ = ["DIAGNOSES", "MATERIAL", "Diagnosis", "VerifyMode", "diagnose", "diagnoses", "finding"]
+__all__ = [
+    "DIAGNOSES",
+    "KEEPS",
+    "MATERIAL",
+    "PROOF",
+    "Diagnosis",
+    "Keeps",
+    "VerifyMode",
+    "diagnose",
+    "diagnoses",
+    "finding",
+]

@@ -27,6 +27,18 @@ if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
 
 VerifyMode = Literal["exact", "reference"]
+Keeps = Literal["exact", "reference", "changes-training"]
+"""What a fix keeps: ``exact`` (results and gradients bit for bit), ``reference`` (no less accurate than
+the original against a float64 reference: ``memtrim.verify(..., mode="reference")`` proves it), or
+``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
+KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
+
+PROOF = {
+    keeps: f"from memtrim.verify import verify\nverify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
+    for keeps in ("exact", "reference")
+}
+"""The default runnable check per ``keeps``: ``original`` and ``rewrite`` are the code before and after
+the fix as functions of ``inputs`` (a tuple of example arguments)."""
 
 MATERIAL = 0.01
 """A fix is reported when it lowers the peak by at least this share of it (1%): advice worth less is
@@ -48,9 +60,8 @@ class Diagnosis:
     """The what-if peak with the fix applied to the recorded timeline."""
     safe_because: tuple[str, ...] = ()
     """The conditions the rule checked on the trace for the fix to keep results."""
-    verify_mode: VerifyMode | None = None
-    """The ``memtrim.verify`` mode that proves the fix (``exact``: bit for bit; ``reference``: no less
-    accurate than the original against a float64 reference)."""
+    keeps: Keeps | None = None
+    """What the fix keeps (:data:`Keeps`): bit for bit, no less accurate, or it changes training."""
     module: str | None = None
     """The module path of the line (as recorded)."""
     sites: tuple[Site, ...] = ()
@@ -59,8 +70,21 @@ class Diagnosis:
     """What the fix costs besides memory (recomputed FLOPs), when it costs something."""
     note: str | None = None
     """What a reader must know before applying it (a rounding caveat, what the what-if assumes)."""
+    code: str | None = None
+    """Python that applies the fix to the program's live objects, runnable exactly as printed once the
+    names in :attr:`binds` are bound (None where the fix is a rewrite of the user's own line)."""
+    binds: tuple[tuple[str, str], ...] = ()
+    """(name, what it is) for each free name :attr:`code` uses: ``("model", "the GPT2LMHeadModel the
+    step calls")``."""
+    proof: str | None = None
+    """Runnable code that proves the fix keeps what :attr:`keeps` says (:data:`PROOF` by default)."""
     edits: Edits = field(default_factory=Edits, repr=False, compare=False)
     """The what-if the peak after was replayed with."""
+
+    @property
+    def verify_mode(self) -> VerifyMode | None:
+        """The ``memtrim.verify`` mode that proves the fix, where one does (not for changes-training)."""
+        return "exact" if self.keeps == "exact" else "reference" if self.keeps == "reference" else None
 
     @property
     def bytes_at_stake(self) -> int:
@@ -91,11 +115,14 @@ def finding(
     allocations: Iterable[Allocation],
     edits: Edits,
     safe_because: Iterable[str] = (),
-    verify_mode: VerifyMode | None = None,
+    keeps: Keeps | None = None,
     module: str | None = None,
     sites: Iterable[Site | None] = (),
     cost: str | None = None,
     note: str | None = None,
+    code: str | None = None,
+    binds: Iterable[tuple[str, str]] = (),
+    proof: str | None = None,
 ) -> Diagnosis | None:
     """A :class:`Diagnosis` with its what-if peak, or None when the fix would not lower the peak by
     :data:`MATERIAL` of it (or touches nothing alive at the peak, which cannot lower it)."""
@@ -121,11 +148,14 @@ def finding(
         peak_before=peak.bytes,
         peak_after=after,
         safe_because=tuple(safe_because),
-        verify_mode=verify_mode,
+        keeps=keeps,
         module=module,
         sites=every,
         cost=cost,
         note=note,
+        code=code,
+        binds=tuple(binds),
+        proof=proof if proof is not None else PROOF.get(keeps) if keeps else None,
         edits=edits,
     )
 

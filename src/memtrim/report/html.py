@@ -17,6 +17,7 @@ from memtrim.analysis import Analysis, Role
 from memtrim.doctor import diagnoses
 from memtrim.report.series import Layer, Timeline, timeline
 from memtrim.report.svg import layer_colors, text, timeline_svg
+from memtrim.report.terminal import KEEPS_TEXT
 from memtrim.trace.model import Allocation, Site, shape_text, site_text
 from memtrim.units import format_bytes
 
@@ -260,20 +261,27 @@ def _diagnoses(analysis: Analysis, top: int) -> str:
     out = ["<h2>How to cut it</h2>"]
     for d in findings:
         code = code_text(analysis, d.site)
-        proof = f"; prove it with memtrim.verify(..., mode={d.verify_mode!r})" if d.verify_mode else ""
+        keeps = f"; keeps: {KEEPS_TEXT[d.keeps]}" if d.keeps else ""
         out.append('<div class="fix card">')
         out.append(
             f"<p><b>{text(site_text(d.site))}</b>{': <code>' + text(code) + '</code>' if code else ''}</p>"
         )
         out.append(f"<p>{text(d.problem)}.</p>")
         out.append(f"<p><b>Fix:</b> {text(d.fix)}.</p>")
+        if d.code:
+            binds = "; ".join(f"{n}: {what}" for n, what in d.binds)
+            out.append(f"<p><b>Apply:</b></p><pre>{text(d.code)}</pre>")
+            if binds:
+                out.append(f"<p class='hint'>with {text(binds)}</p>")
         out.append(
             f"<p>Peak {text(format_bytes(d.peak_before))} → {text(format_bytes(d.peak_after))} "
             f"(−{text(format_bytes(d.peak_before - d.peak_after))}) without these "
-            f"{len(d.allocations)} allocation(s){proof}.</p>"
+            f"{len(d.allocations)} allocation(s){keeps}.</p>"
         )
         if d.safe_because:
             out.append("<p class='hint'>Checked on the trace: " + text("; ".join(d.safe_because)) + "</p>")
+        if d.proof:
+            out.append(f"<p><b>Prove it:</b></p><pre>{text(d.proof)}</pre>")
         out.append("</div>")
     return "".join(out)
 

@@ -208,11 +208,50 @@ def _how_to_cut_it(analysis: Analysis, top: int) -> list[str]:
         return []
     out = ["", "How to cut it (largest saving first):"]
     for d in findings:
-        check = f"; prove it: memtrim.verify(..., mode={d.verify_mode!r})" if d.verify_mode else ""
         out.append(f"  - {_where(d.site)}{_module_text(d.module)}: {safe(d.problem)}")
         out.append(f"    write: {safe(d.fix)}")
-        out.append(f"    peak after: {format_change(d.peak_before, d.peak_after)} [{safe(d.rule)}]{check}")
+        if d.code:
+            out += _code_lines("    apply", d.code)
+            if d.binds:
+                out.append("      with " + "; ".join(f"{safe(n)}: {safe(what)}" for n, what in d.binds))
+        out.append(f"    peak after: {format_change(d.peak_before, d.peak_after)} [{safe(d.rule)}]")
+        keeps = f"    keeps: {KEEPS_TEXT[d.keeps]}" if d.keeps else "   "
+        if d.proof:
+            out += _code_lines(keeps + ("; prove it" if d.keeps else " prove it"), d.proof)
+        elif d.keeps:
+            out.append(keeps)
     return out
+
+
+KEEPS_TEXT = {
+    "exact": "bit for bit",
+    "reference": "no less accurate than before",
+    "changes-training": "changes training",
+}
+"""What a finding's ``keeps`` means, as the reports say it."""
+
+
+def _code_lines(label: str, code: str) -> list[str]:
+    """``    apply: <one line>``, or the label then each line of the code under it (never wrapped: code
+    is copied as printed)."""
+    lines = [safe(line) for line in code.splitlines()] or [""]
+    if len(lines) == 1 and len(label) + 2 + len(lines[0]) <= WIDTH:
+        return [Verbatim(f"{label}: {lines[0]}")]
+    return [f"{label}:", *(Verbatim(f"      {line}") for line in lines)]
+
+
+class Verbatim(str):
+    """A report line printed as it is, never wrapped (code the reader copies)."""
+
+
+def _join(out: list[str]) -> str:
+    """The report's lines, each wrapped to :data:`WIDTH` unless it is :class:`Verbatim`."""
+    return "\n".join(
+        wrapped
+        for text in out
+        for line in text.split("\n")
+        for wrapped in ([line] if isinstance(text, Verbatim) else _wrap(line))
+    )
 
 
 def render(analysis: Analysis, *, top: int = 5) -> str:
@@ -224,7 +263,7 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
     mode = " (fake tensors: nothing was allocated)" if log.fake else ""
     if peak.allocation is None:
         out.append(f"memtrim: no allocations inside the region{mode}")
-        return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))
+        return _join(out)
     a = peak.allocation
     node = f" for {safe(a.node)}" if a.node else ""
     label = "the peak was" if analysis.failure else "memtrim: peak"
@@ -271,4 +310,4 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
         out.extend(_table(rows, right={0, 1}))
 
     out += _how_to_cut_it(analysis, top)
-    return "\n".join(wrapped for text in out for line in text.split("\n") for wrapped in _wrap(line))
+    return _join(out)

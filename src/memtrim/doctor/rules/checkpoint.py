@@ -226,7 +226,7 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
                 "checkpoint re-runs the same ops in the same order, with the RNG state replayed: results and "
                 "gradients bit for bit equal; prove it with memtrim.verify(..., mode='exact')",
             ),
-            verify_mode="exact",
+            keeps="exact",
             module=container,
             cost=(
                 f"recompute: {flops / 1e9:.3g} GFLOP of matmuls (one more forward of every block)"

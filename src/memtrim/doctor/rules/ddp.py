@@ -318,7 +318,7 @@ def ddp_gradient_as_bucket_view(analysis: Analysis) -> list[Diagnosis]:
         allocations=tuple(blamed),
         edits=Edits(remove=frozenset(cloned), free_at=free_at),
         safe_because=tuple(safe),
-        verify_mode="exact",
+        keeps="exact",
         module=module.split(".")[0] if module else None,
         sites=(*copy_sites, *(g.site for g in blamed)),
         note="with gradient_as_bucket_view=True each .grad is a view into DDP's bucket: "

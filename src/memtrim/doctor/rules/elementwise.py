@@ -149,7 +149,7 @@ def broadcast_then_reduce(analysis: Analysis) -> list[Diagnosis]:
                 "autograd saved no product: the contraction keeps only operands and result",
                 "the contraction sums in another order: prove it with memtrim.verify(..., mode='reference')",
             ),
-            verify_mode="reference",
+            keeps="reference",
             module=product.module,
         )
         if diagnosis is not None:
@@ -287,7 +287,7 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
                 "the in-place ops are the same ops on the same operands in the same order (IEEE + and * "
                 "commute): bit for bit equal, prove it with memtrim.verify(..., mode='exact')",
             ),
-            verify_mode="exact",
+            keeps="exact",
             module=first.module,
             sites=lines,
             note=note,

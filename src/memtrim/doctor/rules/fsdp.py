@@ -215,7 +215,7 @@ def fsdp_reshard_after_forward(analysis: Analysis) -> list[Diagnosis]:
             "backward starts as its forward ends; a module whose parameters are not alive where the peak "
             "would be) is left as it is",
         ),
-        verify_mode="exact",
+        keeps="exact",
         module=first.module,
         sites=tuple(a.site for u in kept for a in u.unsharded),
         cost=f"one more all-gather per module in backward ({len(kept)} in all, "

@@ -273,7 +273,7 @@ def all_gather_saved_for_backward(analysis: Analysis) -> list[Diagnosis]:
                 "and gradients are bit for bit equal (every rank must checkpoint the same calls: the "
                 "re-gathers in backward are collectives)",
             ),
-            verify_mode="exact",
+            keeps="exact",
             module=gathered.module,
             sites=(site, *readers),
             cost=(

@@ -79,7 +79,7 @@ def kept_output(analysis: Analysis) -> list[Diagnosis]:
                 "autograd did not save it: backward does not need it",
                 "no op reads it from the start of backward to the end of the trace",
             ),
-            verify_mode="exact",
+            keeps="exact",
             module=a.module,
             note="if you read it after backward (a metric), compute that before backward, or keep a "
             "smaller summary of it",
@@ -143,7 +143,7 @@ def cache_in_training(analysis: Analysis) -> list[Diagnosis]:
             "attention computes the same values without it",
             "made under grad mode and held past its last read, into backward",
         ),
-        verify_mode="exact",
+        keeps="exact",
         module=first.module,
         sites=tuple(dict.fromkeys(a.site for a in blamed if a.site is not None)),
         note="the cache is known by its line's name (file or function naming a cache): the recorder does "

@@ -227,7 +227,7 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
                 "recomputes each chunk's logits in backward: prove it with memtrim.verify(..., "
                 "mode='reference')",
             ),
-            verify_mode="reference",
+            keeps="reference",
             module=first.log_probs.module,
             sites=(first.logits.site,),
             cost=f"one more [{tokens}, {width}] x [{width}, {vocab}] matmul in backward (the logits, "
@@ -359,7 +359,7 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
                 f"results change (arithmetic in {source.dtype}): check with memtrim.verify(..., "
                 "mode='reference') that they are no less accurate than you need",
             ),
-            verify_mode="reference",
+            keeps="reference",
             module=up.module,
             note=f"the what-if keeps the {source.dtype} source instead of the copy and "
             f"{len(resize)} downstream buffers in {source.dtype}",

@@ -95,7 +95,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
                 "the fused/single-tensor step rounds differently from foreach: prove it with "
                 "memtrim.verify(..., mode='reference')",
             ),
-            verify_mode="reference",
+            keeps="reference",
             module=None,
             note=note,
         )
@@ -189,7 +189,7 @@ def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
             "a gradient set to None is replaced by the next backward's, which the zeroed one was added "
             "to: the same values (0 + g == g), bit for bit; prove it with memtrim.verify(..., mode='exact')",
         ),
-        verify_mode="exact",
+        keeps="exact",
         sites=tuple(zeroed_sites or late_sites),
     )
     return [diagnosis] if diagnosis is not None else []
