@@ -15,6 +15,8 @@
 The package, one module per job (data flows down the list):
 
 * :mod:`.api` — :func:`verify`, the function users call: validates arguments, builds the matrix, runs it.
+* :mod:`.fix` — :func:`verify_fix`: a change to a live model (checkpointing, a patched loss) as two
+  functions of its parameters and batch, compared by :func:`verify` (loss, gradients, updated buffers).
 * :mod:`.config` — :class:`Settings`, the frozen configuration of one call.
 * :mod:`.cases` — the matrix: :class:`Case` (dtype x layout x seed x variant), the layouts, the inputs.
 * :mod:`.judge` — judges one case: runs both callables, checks structure and side effects, compares.
@@ -33,6 +35,7 @@ from memtrim.verify.api import verify
 from memtrim.verify.budget import C_REORDER, K_FACTORS, ROUNDING_REGISTRY, Rounding, register_rounding
 from memtrim.verify.cases import LAYOUTS, CancellationProbe, Case
 from memtrim.verify.config import Settings
+from memtrim.verify.fix import model_loss, verify_fix
 from memtrim.verify.magnitudes import ABS_RULES, NotMultilinear, register_abs_rule
 from memtrim.verify.results import (
     CallError,
@@ -62,7 +65,9 @@ __all__ = [
     "RunResult",
     "Settings",
     "VerifyReport",
+    "model_loss",
     "register_abs_rule",
     "register_rounding",
     "verify",
+    "verify_fix",
 ]
