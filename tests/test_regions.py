@@ -111,10 +111,98 @@ def test_run_region_records_only_inside_the_region(tmp_path: Path) -> None:
 def test_run_region_entered_several_times_reports_the_highest(tmp_path: Path) -> None:
     done = _run(tmp_path, "-o", "t.json", "--region", "step", steps=3, scratch=262144)
     assert done.returncode == 0, done.stderr
-    assert "ran 3 times" in done.stderr and "reporting run 3, the highest" in done.stderr
+    assert "Region 'step' was entered 3 times; this report is entry 3" in done.stdout
     data = json.loads((tmp_path / "t.json").read_text())
     largest = max(a["bytes"] for a in data["allocations"] if not a["preexisting"])
     assert largest == 3 * 262144 * 4
+
+
+TRAINING_LOOP = textwrap.dedent(
+    """
+    import json, sys, torch, memtrim
+    sys.path.insert(0, {tests!r})
+    from groundtruth import profiler_memory
+
+    MARK = 4099 * 8  # a block of a size nothing else has, allocated between the steps
+    with profiler_memory() as measured:  # from before the model exists: every byte's life is seen
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        for step in range(3):
+            torch.empty(MARK, dtype=torch.uint8)  # made and dropped at once
+            with memtrim.region("step"):
+                x = torch.randn(512, 512)
+                loss = model(x).tanh().square().sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                del x, loss
+        torch.empty(MARK, dtype=torch.uint8)
+    json.dump(measured.deltas, open("profiled.json", "w"))
+    """
+)
+
+
+def test_run_region_reports_the_entry_that_sets_the_high_water_mark(tmp_path: Path) -> None:
+    # AdamW's first step makes its state (the highest peak above its own start); the later steps start
+    # with that state alive and their backward reaches a higher absolute peak: the one to report
+    (tmp_path / "loop.py").write_text(TRAINING_LOOP.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "PYTHONPATH": SRC}
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrim", "run", "-o", "t.json", "--region", "step", "loop.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # the profiler's live bytes, from nothing, split into the steps by the marker blocks
+    deltas = json.loads((tmp_path / "profiled.json").read_text())
+    mark = 4099 * 8
+    windows: list[int] = []
+    live = 0
+    for delta in deltas:
+        if delta == mark:
+            windows.append(live)
+        elif delta != -mark:
+            live += delta
+            if windows:
+                windows[-1] = max(windows[-1], live)
+    steps = windows[:3]
+    highest = steps.index(max(steps)) + 1
+    above_start = [
+        max_in - start for max_in, start in zip(steps, _starts(deltas, mark), strict=False)
+    ]  # what the old report ranked by
+    assert highest == 2 and above_start.index(max(above_start)) == 0, (steps, above_start)
+    data = json.loads((tmp_path / "t.json").read_text())
+    noted = data["metadata"]["region_entries"]
+    assert noted["chosen"] == highest and noted["picked"] == "highest"
+    # each entry's absolute peak is the profiler's high-water mark of that step, to the byte
+    assert [e["absolute"] for e in noted["entries"]] == steps
+    assert [e["peak"] for e in noted["entries"]] == above_start
+    assert "this report is entry 2" in done.stdout
+    assert "entry 1 created the optimizer's state" in done.stdout
+
+
+def _starts(deltas: list[int], mark: int) -> list[int]:
+    """The profiler's live bytes where each marker block was allocated (each step's start)."""
+    starts, live = [], 0
+    for delta in deltas:
+        if delta == mark:
+            starts.append(live)
+        elif delta != -mark:
+            live += delta
+    return starts
+
+
+def test_run_region_entry_picks_another_entry(tmp_path: Path) -> None:
+    done = _run(tmp_path, "-o", "t.json", "--region", "step", "--entry", "1", steps=3, scratch=262144)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["metadata"]["region_entries"]["chosen"] == 1
+    assert max(a["bytes"] for a in data["allocations"] if not a["preexisting"]) == 262144 * 4
+    assert "this report is entry 1 (as asked)" in done.stdout
+    late = _run(tmp_path, "-o", "t.json", "--region", "step", "--entry", "7", steps=3, scratch=262144)
+    assert late.returncode == 0 and "--entry 7: the region 'step' was entered 3 time(s)" in late.stderr
+    unused = _run(tmp_path, "--entry", "2")
+    assert unused.returncode == 2 and "--entry N picks an entry of --region NAME" in unused.stderr
 
 
 def test_run_region_never_entered_says_so(tmp_path: Path) -> None:

@@ -244,6 +244,8 @@ def _per_rank(args: argparse.Namespace) -> tuple[int, int]:
 def _run(args: argparse.Namespace) -> int:
     _check_target(args)
     rank, world_size = _per_rank(args)
+    if args.entry is not None and not args.region:
+        raise UsageError("--entry N picks an entry of --region NAME; give the region too")
     _check_output("-o", args.output)
     _check_views(args)
     if args.module:
@@ -302,15 +304,37 @@ def _run_region(args: argparse.Namespace, outcome: Outcome) -> Trace | None:
         outcome.status = outcome.status or 1
         return None
     traces = [Trace(log) for log in captured.traces]
-    chosen = max(range(len(traces)), key=lambda i: traces[i].peak_bytes)
-    if len(traces) > 1:
-        peaks = ", ".join(f"{t.peak_bytes:,} B" for t in traces[:8]) + (", ..." if len(traces) > 8 else "")
+    return _choose_entry(traces, args)
+
+
+def _choose_entry(traces: list[Trace], args: argparse.Namespace) -> Trace:
+    """The entry to report: the one whose absolute peak (with what was alive at its start) is highest —
+    a training loop's later steps start with the optimizer state the first made — or ``--entry N``."""
+    from memtrim.analysis.roles import Role
+    from memtrim.trace.entries import RegionEntries, RegionEntry, note_entries
+
+    entries = tuple(
+        RegionEntry(
+            i + 1,
+            t.analysis.peak.bytes,
+            t.analysis.absolute_peak_bytes,
+            t.analysis.made_bytes(Role.OPTIMIZER_STATE),
+        )
+        for i, t in enumerate(traces)
+    )
+    chosen, picked = max(entries, key=lambda e: (e.absolute, -e.number)).number, "highest"
+    if args.entry is not None and args.entry <= len(traces):
+        chosen, picked = args.entry, "asked"
+    elif args.entry is not None:  # the run is done: report what it recorded rather than lose it
         print(
-            f"memtrim: region {args.region!r} ran {len(traces)} times (peaks {peaks}); reporting run "
-            f"{chosen + 1}, the highest",
+            f"memtrim: --entry {args.entry}: the region {args.region!r} was entered {len(traces)} time(s); "
+            f"reporting entry {chosen}, the highest",
             file=sys.stderr,
         )
-    return traces[chosen]
+    trace = traces[chosen - 1]
+    if len(traces) > 1:
+        note_entries(trace.log, RegionEntries(args.region, chosen, picked, entries))  # type: ignore[arg-type]
+    return trace
 
 
 # -- the other commands ------------------------------------------------------------------------------
@@ -455,6 +479,17 @@ def rows(value: str) -> int:
     return n
 
 
+def entry_number(value: str) -> int:
+    """``--entry``: which entry of the region to report, 1 for the first."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, e.g. --entry 2 (got {value!r})") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"entries count from 1 (got {n})")
+    return n
+
+
 def _version() -> str:
     import torch
 
@@ -485,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", default="memtrim-trace.json", help="where to write the trace (JSON)")
     run.add_argument("--fake", action="store_true", help="run under FakeTensorMode: nothing is allocated")
     run.add_argument("--region", metavar="NAME", help="record only inside memtrim.region(NAME)")
+    run.add_argument(
+        "--entry",
+        type=entry_number,
+        metavar="N",
+        help="with --region: report entry N (default: the entry with the highest peak, counting what was "
+        "alive at its start)",
+    )
     run.add_argument("--json", action="store_true", help="print the peak as JSON instead of the report")
     run.add_argument("--top", type=rows, default=5, help="rows per table (default 5)")
     _add_views(run)

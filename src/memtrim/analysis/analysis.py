@@ -221,6 +221,28 @@ class Analysis:
         return tuple(out)
 
     @functools.cached_property
+    def known_at_start(self) -> dict[str, int]:
+        """Per device, the bytes alive when the region started that memtrim knows of: tensors from
+        before it that an op inside read, and the parameters, gradients, optimizer state and buffers
+        it was told of (what the program holds and the region never touches is not counted)."""
+        known: dict[str, int] = {}
+        for a in self.log.allocations:
+            if a.preexisting:
+                known[a.device] = known.get(a.device, 0) + a.bytes
+        return known
+
+    @property
+    def absolute_peak_bytes(self) -> int:
+        """The headline peak with what was alive before the region added back (:attr:`known_at_start`
+        on its device): how the entries of a region entered several times compare — a training loop's
+        later steps start with the optimizer state the first step made."""
+        return self.peak.bytes + self.known_at_start.get(self.peak.device or "", 0)
+
+    def made_bytes(self, role: Role) -> int:
+        """Bytes of ``role`` the region allocated (alive or not at the end)."""
+        return sum(a.bytes for a in self.log.allocations if not a.preexisting and self.roles[a.id] is role)
+
+    @functools.cached_property
     def breakdown_at_phase_end(self) -> dict[Phase, Breakdown]:
         return {phase: self.breakdown_at(tick) for phase, tick in self.phase_ends.items()}
 

@@ -8,6 +8,7 @@ import textwrap
 from memtrim.analysis import Analysis, Breakdown, LineGroup
 from memtrim.doctor import diagnoses
 from memtrim.report.escape import safe
+from memtrim.trace.entries import region_entries
 from memtrim.trace.model import Site, shape_text, site_text
 from memtrim.units import format_bytes, format_change
 
@@ -165,6 +166,36 @@ def _lines(title: str, groups: tuple[LineGroup, ...], total: int, top: int) -> l
     return ["", title, *_table(rows, right={0, 1})]
 
 
+def _entries(analysis: Analysis, top: int) -> list[str]:
+    """Every entry of a region ``memtrim run --region`` recorded, with the one reported marked."""
+    noted = region_entries(analysis.log)
+    if noted is None:
+        return []
+    why = "the highest counting what was alive at its start" if noted.picked == "highest" else "as asked"
+    out = [
+        "",
+        f"Region {safe(repr(noted.region))} was entered {len(noted.entries)} times; this report is entry "
+        f"{noted.chosen} ({why}):",
+    ]
+    rows = [["entry", "peak above its start", "with what was alive before"]]
+    shown = sorted({0, noted.chosen - 1, *range(min(top, len(noted.entries)))})
+    for i in shown:
+        e = noted.entries[i]
+        mark = " *" if e.number == noted.chosen else ""
+        rows.append([f"{e.number}{mark}", format_bytes(e.peak), format_bytes(e.absolute)])
+    out += _table(rows, right={1, 2})
+    if len(noted.entries) > len(shown):
+        out.append(f"  ... and {len(noted.entries) - len(shown)} more entries (memtrim run --top N)")
+    first = noted.entries[0]
+    later = noted.entries[1:]
+    if first.optimizer_state_made and later and all(not e.optimizer_state_made for e in later):
+        out.append(
+            f"  entry 1 created the optimizer's state ({format_bytes(first.optimizer_state_made)}); later "
+            "entries start with it alive"
+        )
+    return out
+
+
 def _failure(analysis: Analysis, top: int) -> list[str]:
     failure = analysis.failure
     if failure is None:
@@ -276,6 +307,7 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
             f"  torch.cuda.max_memory_allocated over the region on {safe(device)}: {format_bytes(measured)}"
         )
 
+    out += _entries(analysis, top)
     if len(analysis.region_peaks) > 1:  # one entry is the whole trace: its peak is the headline
         rows = [["region", "entry", "peak while open"]]
         counts: dict[str, int] = {}
