@@ -25,7 +25,8 @@ def packed_activation_bytes(
     """Bytes of the distinct storages autograd's own pack hook receives in an untracked forward and
     loss, leaving out the parameters and buffers, and the batch where it existed before the tracked
     region (memtrim calls those ``input``). The graph is kept until the end, so no saved storage
-    dies and hands its address to another."""
+    dies and hands its address to another. The loss the program holds through backward is a forward
+    result kept after the forward: an activation too (it is no saved tensor, so it is added here)."""
     given = (*model.parameters(), *model.buffers(), *(batch.values() if batch_is_input else ()))
     before = {t.untyped_storage()._cdata for t in given}
     packed: dict[int, int] = {}
@@ -38,6 +39,7 @@ def packed_activation_bytes(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**batch).loss
+    packed[loss.untyped_storage()._cdata] = loss.untyped_storage().nbytes()
     total = sum(packed.values())
     del loss
     return total

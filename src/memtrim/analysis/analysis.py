@@ -34,13 +34,20 @@ class LineGroup:
     bytes: int
     count: int
     categories: Mapping[Category, int]
-    """Bytes per category, largest first."""
+    """Bytes per category (what their lifetimes say), largest first."""
     ops: Mapping[str, int]
     """Bytes per op, largest first."""
+    roles: Mapping[Role, int] = field(default_factory=dict)
+    """Bytes per role (what they are for), largest first."""
+    kept_after_forward: int = 0
+    """Of the ``activation`` bytes, those autograd did not save: forward results the program kept."""
 
 
-def group_by_line(allocations: Iterable[Allocation], categories: tuple[Category, ...]) -> list[LineGroup]:
-    """``allocations`` grouped by the line that made them, largest first."""
+def group_by_line(
+    allocations: Iterable[Allocation], categories: tuple[Category, ...], roles: tuple[Role, ...] = ()
+) -> list[LineGroup]:
+    """``allocations`` grouped by the line that made them, largest first (``roles`` indexed by
+    allocation id, as ``categories``; without them a group's ``roles`` is empty)."""
     members: dict[Site | None, list[Allocation]] = {}
     for a in allocations:
         members.setdefault(a.site, []).append(a)
@@ -48,9 +55,15 @@ def group_by_line(allocations: Iterable[Allocation], categories: tuple[Category,
     for site, allocs in members.items():
         by_category: dict[Category, int] = {}
         by_op: dict[str, int] = {}
+        by_role: dict[Role, int] = {}
+        kept = 0
         for a in allocs:
             by_category[categories[a.id]] = by_category.get(categories[a.id], 0) + a.bytes
             by_op[a.op] = by_op.get(a.op, 0) + a.bytes
+            if roles:
+                by_role[roles[a.id]] = by_role.get(roles[a.id], 0) + a.bytes
+                if roles[a.id] is Role.ACTIVATION and categories[a.id] is Category.KEPT:
+                    kept += a.bytes
         groups.append(
             LineGroup(
                 site,
@@ -58,6 +71,8 @@ def group_by_line(allocations: Iterable[Allocation], categories: tuple[Category,
                 len(allocs),
                 dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
                 dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+                dict(sorted(by_role.items(), key=lambda kv: -kv[1])),
+                kept,
             )
         )
     return sorted(groups, key=lambda g: g.bytes, reverse=True)
@@ -261,7 +276,7 @@ class Analysis:
         return alive_at(self.log.allocations, tick, device)
 
     def lines_alive_at(self, tick: int, device: str | None = None) -> list[LineGroup]:
-        return group_by_line(self.alive_at(tick, device), self.categories)
+        return group_by_line(self.alive_at(tick, device), self.categories, self.roles)
 
     def peak_with(self, edits: Edits, device: str | None = None) -> int:
         """The peak on ``device`` (default: the headline's) had the recorded timeline been ``edits``."""
@@ -336,6 +351,6 @@ def analyze(log: TraceLog) -> Analysis:
         peak=peak,
         peak_by_phase=by_phase,
         live_at_peak=live,
-        lines_at_peak=tuple(group_by_line(live, categories)),
+        lines_at_peak=tuple(group_by_line(live, categories, roles)),
         temporaries=tuple(temporaries),
     )

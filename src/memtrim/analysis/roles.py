@@ -13,7 +13,7 @@ from enum import Enum
 
 from memtrim.analysis.categories import Category
 from memtrim.registry import Registry
-from memtrim.trace.model import Allocation, Fact
+from memtrim.trace.model import Allocation, Fact, Phase
 
 
 class Role(str, Enum):
@@ -37,7 +37,8 @@ class Role(str, Enum):
     OPTIMIZER_STATE = "optimizer_state"
     """Held in an optimizer's ``state`` (Adam's ``exp_avg``, a momentum buffer, ``step``)."""
     ACTIVATION = "activation"
-    """Saved by autograd for backward."""
+    """A forward result alive after the forward: saved by autograd for backward, or kept by the program
+    (the logits of a model's output: "kept after forward" in the reports)."""
     BUFFER = "buffer"
     """An ``nn.Module`` buffer (running statistics, masks)."""
     TEMPORARY = "temporary"
@@ -88,6 +89,13 @@ ROLE_RULES.register("buffer")(_fact_rule(Fact.BUFFER, Role.BUFFER))
 @ROLE_RULES.register("activation")
 def _activation(a: Allocation, category: Category) -> Role | None:
     return Role.ACTIVATION if category is Category.SAVED else None
+
+
+@ROLE_RULES.register("kept-after-forward")
+def _kept_after_forward(a: Allocation, category: Category) -> Role | None:
+    # a forward result the program held past the forward without autograd saving it (the logits in a
+    # model's output): an activation all the same, which the reports say was kept after forward
+    return Role.ACTIVATION if category is Category.KEPT and a.phase is Phase.FORWARD else None
 
 
 @ROLE_RULES.register("gradient-by-lifetime")

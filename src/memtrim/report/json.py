@@ -55,6 +55,8 @@ def line_group_json(group: LineGroup) -> dict[str, Any]:
         "bytes": group.bytes,
         "count": group.count,
         "categories": {category.value: n for category, n in group.categories.items()},
+        "roles": {role.value: n for role, n in group.roles.items()},
+        "kept_after_forward": group.kept_after_forward,
         "ops": dict(group.ops),
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import textwrap
 
-from memtrim.analysis import Analysis, Breakdown, LineGroup
+from memtrim.analysis import Analysis, Breakdown, LineGroup, Role
 from memtrim.doctor import diagnoses
 from memtrim.report.escape import safe
 from memtrim.trace.entries import region_entries
@@ -155,12 +155,20 @@ def _roles(title: str, breakdown: Breakdown) -> list[str]:
     return out
 
 
+def _role_text(role: Role, nbytes: int, kept: int) -> str:
+    """``activation 336 MiB``, and how much of an activation the program kept after forward."""
+    text = f"{role} {format_bytes(nbytes)}"
+    if role is Role.ACTIVATION and kept:
+        text += " (kept after forward)" if kept == nbytes else f" ({format_bytes(kept)} kept after forward)"
+    return text
+
+
 def _lines(title: str, groups: tuple[LineGroup, ...], total: int, top: int) -> list[str]:
     if not groups[:top]:
         return []
     rows = [["bytes", "share", "what", "line"]]
     for g in groups[:top]:
-        what = ", ".join(f"{cat} {format_bytes(b)}" for cat, b in g.categories.items())
+        what = ", ".join(_role_text(role, b, g.kept_after_forward) for role, b in g.roles.items())
         share = f"{100 * g.bytes / total:.0f}%" if total > 0 else "-"
         rows.append([format_bytes(g.bytes), share, what, _where(g.site)])
     return ["", title, *_table(rows, right={0, 1})]
