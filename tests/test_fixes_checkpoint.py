@@ -126,12 +126,17 @@ def test_a_kv_cache_argument_is_refused_with_the_fix() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=101, n_positions=16)
     model = transformers.GPT2LMHeadModel(cfg).train()
-    checkpoint_modules(model, "transformer.h.*")
+    handle = checkpoint_modules(model, "transformer.h.*")
+    # the model's own default is off while the handle lives, as gradient_checkpointing_enable does
+    assert handle.use_cache_disabled == 1 and model.config.use_cache is False
     ids = torch.randint(0, 101, (2, 16))
+    model(ids, labels=ids).loss.backward()
     with pytest.raises(RuntimeError, match=r"KV cache .*use_cache=False"):
-        model(ids, labels=ids)  # use_cache defaults on: the recompute would append to the cache twice
+        model(ids, labels=ids, use_cache=True)  # asked for: the recompute would append to it twice
     with torch.no_grad():
-        model(ids)  # nothing is checkpointed without grad, so a cache is fine there
+        model(ids, use_cache=True)  # nothing is checkpointed without grad, so a cache is fine there
+    handle.undo()
+    assert model.config.use_cache is True
 
 
 # -- memory, in bytes, against torch.profiler ----------------------------------------------------------

@@ -123,8 +123,7 @@ def record(*, fake: bool = False, steps: range | None = None) -> Iterator[TraceL
     world = distributed.world()  # also read at the end: the program may start or end its group inside
     with contextlib.ExitStack() as stack:
         stack.callback(_note_world, trace, world)
-        compiled.acquire()
-        stack.callback(compiled.release, trace)
+        stack.callback(compiled.release, trace, compiled.acquire())
         outside.acquire()
         stack.callback(outside.release)
         if fake_mode is not None:

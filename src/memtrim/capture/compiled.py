@@ -29,19 +29,16 @@ from typing import Any
 
 from memtrim.capture.fork import on_fork_in_child
 from memtrim.trace.model import TraceLog
+from memtrim.trace.notes import COMPILED_KEY, COMPILED_NOTE
 
-NOTE_KEY = "torch_compile"
-"""The :attr:`TraceLog.metadata` key of the note, present when dynamo was loaded during the region."""
-NOTE = (
-    "torch.compile'd code called in this region ran eagerly (memtrim records under "
-    "torch.compiler.set_stance('force_eager')): the figures are the eager program's; compiled code "
-    "is unchanged after the region"
-)
+NOTE_KEY, NOTE = COMPILED_KEY, COMPILED_NOTE
 
 _DYNAMO = "torch._dynamo"
 _lock = threading.RLock()
 _users = 0
 _stance: Any = None  # the torch.compiler.set_stance object memtrim entered, while in force
+_entered = 0  # compiled functions and modules entered (and run eagerly) while the stance was memtrim's
+_counting: Any = None  # dynamo's own _callback_from_stance, while memtrim's counting wrapper replaces it
 
 
 def _enter_stance() -> None:
@@ -54,6 +51,29 @@ def _enter_stance() -> None:
         _stance = torch.compiler.set_stance("force_eager")
     except RuntimeError:  # "attempted to set_stance in a torch.compile region": leave it alone
         _stance = None
+        return
+    _count_compiled_calls()
+
+
+def _count_compiled_calls() -> None:
+    """Count entries into compiled code: dynamo asks ``_callback_from_stance`` each time a compiled
+    function or module is entered, with a real compiler callback (``torch.compiler.disable`` contexts
+    pass False or None). Private API, read best effort: without it the note says dynamo was loaded."""
+    global _counting
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "_callback_from_stance", None)
+    if original is None or _counting is not None:
+        return
+
+    def counting(callback: Any) -> Any:
+        global _entered
+        if callback not in (False, None):
+            _entered += 1
+        return original(callback)
+
+    _counting = original
+    eval_frame._callback_from_stance = counting
 
 
 def _leave_stance() -> None:
@@ -63,6 +83,10 @@ def _leave_stance() -> None:
         return
     from torch._dynamo import eval_frame
 
+    global _counting
+    if _counting is not None:
+        eval_frame._callback_from_stance = _counting
+        _counting = None
     if eval_frame._stance is stance.stance:  # still memtrim's: the program did not set its own
         stance.__exit__(None, None, None)
 
@@ -115,26 +139,29 @@ def _remove_watch() -> None:
         sys.meta_path.remove(_watch)
 
 
-def acquire() -> None:
-    """A region opens: compiled code runs eagerly until the last open region closes."""
+def acquire() -> int:
+    """A region opens: compiled code runs eagerly until the last open region closes. Returns the count
+    of compiled entries so far, for :func:`release`."""
     global _users
     with _lock:
         _users += 1
-        if _users > 1:
-            return
-        if _DYNAMO in sys.modules:
-            _enter_stance()
-        elif _watch not in sys.meta_path:
-            sys.meta_path.insert(0, _watch)
+        if _users == 1:
+            if _DYNAMO in sys.modules:
+                _enter_stance()
+            elif _watch not in sys.meta_path:
+                sys.meta_path.insert(0, _watch)
+        return _entered
 
 
-def release(log: TraceLog) -> None:
-    """A region closes: note in its trace that compiled code would have run eagerly in it."""
+def release(log: TraceLog, entered_before: int = 0) -> None:
+    """A region closes: note in its trace that compiled code ran eagerly in it (entered since
+    ``entered_before``, :func:`acquire`'s count; where dynamo could not be watched, that it was loaded)."""
     global _users
     with _lock:
         if _users <= 0:  # given back already (in a forked child)
             return
-        if _DYNAMO in sys.modules and _stance is not None:
+        watched = _counting is not None
+        if _DYNAMO in sys.modules and _stance is not None and (not watched or _entered > entered_before):
             log.metadata[NOTE_KEY] = NOTE
         _users -= 1
         if _users == 0:

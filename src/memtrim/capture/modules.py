@@ -12,18 +12,30 @@ leads because an op in the outermost module's own ``forward`` needs a name (``na
 it ``""``), and it tells apart two models run in one region. A container that is iterated rather
 than called (``for layer in self.layers``) runs no ``_call_impl``, so a child is looked up among its
 caller's descendants: ``model.layers.0``, not ``model.LlamaDecoderLayer``.
+
+The outermost module is the one the program called. ``torch.compile``'s wrapper is not a name a
+program's objects resolve (``OptimizedModule._orig_mod``): the module it wraps leads instead. Two
+different outermost modules of one class are told apart (``T5Stack``, ``T5Stack#2``), and when a
+region ends, an outermost module that another module owns is named from its owner
+(``T5ForConditionalGeneration.encoder`` for ``model.encoder(...)``), so that every path resolves with
+``get_submodule`` on one object the program holds (:func:`name_roots`).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import weakref
+from collections.abc import Iterable
+from operator import itemgetter
 from types import CodeType, FrameType
+from typing import Any
 
 import torch
 
 CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
+_MODULE = itemgetter(5)
 
 # id(parent), id(child) -> the child's name in the parent
 _names: dict[tuple[int, int], str] = {}
@@ -31,6 +43,8 @@ _names: dict[tuple[int, int], str] = {}
 _paths: dict[int, tuple[weakref.ref[torch.nn.Module], str]] = {}
 # id(module) -> a weak reference to it, for modules with buffers on a chain a path was built from
 _holding_buffers: dict[int, weakref.ref[torch.nn.Module]] = {}
+# the leading name of a path -> a weak reference to the outermost module it stands for
+_roots: dict[str, weakref.ref[torch.nn.Module]] = {}
 
 
 def module_of(frame: FrameType) -> torch.nn.Module | None:
@@ -71,8 +85,73 @@ def _build_path(module: torch.nn.Module, frame: FrameType | None) -> str:
             key = id(held)
             _holding_buffers[key] = weakref.ref(held, functools.partial(_forget_holder, key))
     outermost_first = chain[::-1]
+    while len(outermost_first) > 1 and _compiled_wrapper_of(outermost_first[0], outermost_first[1]):
+        outermost_first.pop(0)
     names = [_child_name(parent, child) for parent, child in itertools.pairwise(outermost_first)]
-    return ".".join([type(outermost_first[0]).__name__, *names])
+    return ".".join([_root_name(outermost_first[0]), *names])
+
+
+def _compiled_wrapper_of(wrapper: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """``wrapper`` is ``torch.compile(module)`` (checked without importing dynamo)."""
+    return (
+        type(wrapper).__name__ == "OptimizedModule"
+        and wrapper.__dict__.get("_modules", {}).get("_orig_mod") is module
+    )
+
+
+def _root_name(module: torch.nn.Module) -> str:
+    """Its class name, or ``Name#2``, ``Name#3`` where another live module of that class leads paths."""
+    base = type(module).__name__
+    for n in itertools.count(1):
+        name = base if n == 1 else f"{base}#{n}"
+        held = _roots.get(name)
+        if held is None or held() is None:
+            _roots[name] = weakref.ref(module)
+            return name
+        if held() is module:
+            return name
+    raise AssertionError("unreachable")
+
+
+def name_roots(paths: Iterable[str]) -> dict[str, str]:
+    """For the leading names of ``paths`` that stand for a module another module owns, the path of
+    that module from the outermost owner (``T5Stack`` -> ``T5ForConditionalGeneration.encoder``).
+
+    Asked only when a region's paths lead with two or more names (``model.encoder(...)`` and
+    ``model.decoder(...)`` both called): one module owning both is what a fix must be applied to. It
+    walks every live module once (``gc.get_objects``), so a region that called one model costs nothing.
+    """
+    leads = {p.partition(".")[0] for p in paths}
+    held = {name: module for name in leads if (ref := _roots.get(name)) is not None and (module := ref())}
+    if len(leads) < 2 or not held:
+        return {}
+    owner: dict[int, tuple[torch.nn.Module, str]] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            for name, child in obj._modules.items():
+                if child is not None and not _compiled_wrapper_of(obj, child):
+                    owner.setdefault(id(child), (obj, name))
+    renamed: dict[str, str] = {}
+    top_names = {id(module): name for name, module in held.items()}  # a lead already names its module
+    for lead, module in held.items():
+        names: list[str] = []
+        top, seen = module, {id(module)}
+        while (up := owner.get(id(top))) is not None and id(up[0]) not in seen:
+            top = up[0]
+            seen.add(id(top))
+            names.append(up[1])
+        if not names:
+            continue
+        top_name = top_names.get(id(top))
+        if top_name is None:  # two owners of one class stay apart: Model, Model#2
+            taken = {*leads, *top_names.values()}
+            base = type(top).__name__
+            top_name = next(
+                n for k in itertools.count(1) if (n := base if k == 1 else f"{base}#{k}") not in taken
+            )
+            top_names[id(top)] = top_name
+        renamed[lead] = ".".join([top_name, *reversed(names)])
+    return renamed
 
 
 def _child_name(parent: torch.nn.Module, child: torch.nn.Module) -> str:
@@ -95,6 +174,23 @@ def _submodule(parent: torch.nn.Module, dotted: str) -> torch.nn.Module | None:
     for part in dotted.split("."):
         module = None if module is None else module._modules.get(part)
     return module
+
+
+def rename_roots(rows: list[Any]) -> None:
+    """Rewrite the module paths of a finished region's op rows (``OpRow``: the path is field 5) with
+    :func:`name_roots`, in place."""
+    paths = {m for m in map(_MODULE, rows) if m}
+    renamed = name_roots(paths)
+    if not renamed:
+        return
+    new = {}
+    for path in paths:
+        lead, dot, rest = path.partition(".")
+        if lead in renamed:
+            new[path] = renamed[lead] + dot + rest
+    for i, row in enumerate(rows):
+        if (path := row[5]) in new:
+            rows[i] = row._replace(module=new[path])
 
 
 def _forget_holder(key: int, _: weakref.ref[torch.nn.Module]) -> None:

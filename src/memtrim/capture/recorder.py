@@ -33,7 +33,7 @@ from memtrim.capture.frames import (
     runs_code,
     user_site,
 )
-from memtrim.capture.modules import modules_seen, modules_with_buffers
+from memtrim.capture.modules import modules_seen, modules_with_buffers, rename_roots
 from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
 
 _Tensor = torch.Tensor
@@ -760,6 +760,7 @@ class Recorder(DetachableMode):
                 self._facts.tag(t, fact)
         self._facts.finish(modules_with_buffers())
         self._facts.remove()
+        rename_roots(self._ops)  # model.encoder(...) and model.decoder(...): paths from model
         self._open = False
         if accumulating := self._accumulating:
             recorded = self._recorded

@@ -5,6 +5,17 @@ while grad mode is on: its activations are freed after forward and recomputed, o
 backward. Results and gradients stay bit-for-bit those of the unwrapped model (same ops in the same order,
 RNG state replayed for dropout); the cost is one more forward of each wrapped module.
 
+A module that updates its buffers in its forward (BatchNorm in training mode: ``running_mean``,
+``running_var``, ``num_batches_tracked``; anything that writes a buffer in place) would update them a second
+time when backward recomputes it — plain ``torch.utils.checkpoint`` does. Here the recompute runs inside a
+context that copies those buffers first and writes the copies back after it, so after each step they hold
+what the unwrapped model leaves (the cost: one copy of those buffers while a module is recomputed).
+
+A transformers model would hand its blocks a KV cache, which a recompute would append to a second time:
+while the handle lives, ``config.use_cache`` is False on every config the model's modules hold (as
+transformers' own ``gradient_checkpointing_enable`` does in training; the loss and gradients do not
+depend on it); ``undo()`` puts it back. A cache passed explicitly still raises, with the fix.
+
 Patterns match the qualified names of ``model.named_modules()`` as globs over dotted names: ``*``
 matches one name (no dot; the model itself is named ``""`` and matches only ``""``), ``**`` any number
 of names, ``?`` one character, ``[...]`` a set. ``"transformer.h.*"`` matches GPT-2's blocks
@@ -15,9 +26,10 @@ inside a wrapped one is recomputed with it already.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +90,11 @@ class CheckpointHandle:
     """Qualified names of the wrapped modules, in ``named_modules()`` order."""
     inside_wrapped: list[str] = field(default_factory=list)
     """Matching modules left alone because a wrapped module contains them."""
+    use_cache_disabled: int = 0
+    """How many ``config.use_cache`` flags were set to False while the handle lives."""
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _previous: list[Any] = field(default_factory=list, repr=False)
+    _configs: list[Any] = field(default_factory=list, repr=False)
     _undone: bool = field(default=False, repr=False)
 
     def undo(self) -> None:
@@ -97,6 +112,8 @@ class CheckpointHandle:
             module.__dict__.pop(_INNER, None)
             if previous is not None:
                 module.forward = previous
+        for config in self._configs:
+            config.use_cache = True
         self._undone = True
 
     def __enter__(self) -> CheckpointHandle:
@@ -125,7 +142,52 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "backward would append its keys and values to the cache a second time. Call the model with "
             "use_cache=False (or set model.config.use_cache = False) when training with checkpointing"
         )
-    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    restore = _BufferRestore(self)
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=restore.contexts, **kwargs)
+
+
+class _BufferRestore:
+    """The buffers a module's forward updates, kept from being updated again by the recompute.
+
+    Which buffers: those of normalization modules that track running statistics in training mode (their
+    kernels update ``running_mean``/``running_var`` without bumping the tensor's version counter) and any
+    buffer whose version counter moved during the forward (an in-place write)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.buffers = [b for b in module.buffers() if b is not None]
+        self.versions = [b._version for b in self.buffers]
+        self.updated: list[torch.Tensor] = []
+
+    def contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        return self._forward(), self._recompute()
+
+    @contextlib.contextmanager
+    def _forward(self) -> Iterator[None]:
+        yield
+        moved = {id(b) for b, v in zip(self.buffers, self.versions, strict=True) if b._version != v}
+        stats = {
+            id(b)
+            for m in self.module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+            for b in m.buffers()
+            if b is not None
+        }
+        self.updated = [b for b in self.buffers if id(b) in moved or id(b) in stats]
+        self.buffers, self.versions = [], []  # nothing else is needed after the forward
+
+    @contextlib.contextmanager
+    def _recompute(self) -> Iterator[None]:
+        with torch.no_grad():
+            kept = [b.clone() for b in self.updated]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in zip(self.updated, kept, strict=True):
+                    b.copy_(value)
 
 
 def _kv_cache_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -185,6 +247,13 @@ def checkpoint_modules(model: nn.Module, patterns: Pattern | Sequence[Pattern]) 
         handle.wrapped.append(name)
         handle._modules.append(module)
         handle._previous.append(current)
+    for config in {
+        id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+    }.values():
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            handle._configs.append(config)
+    handle.use_cache_disabled = len(handle._configs)
     return handle
 
 

@@ -19,6 +19,7 @@ from memtrim.report.series import Layer, Timeline, timeline
 from memtrim.report.svg import layer_colors, text, timeline_svg
 from memtrim.report.terminal import KEEPS_TEXT
 from memtrim.trace.model import Allocation, Site, shape_text, site_text
+from memtrim.trace.notes import COMPILED_BANNER, COMPILED_KEY
 from memtrim.units import format_bytes
 
 SOURCE_LINES = "source_lines"
@@ -129,6 +130,11 @@ def headline(analysis: Analysis) -> list[str]:
         )
     if log.fake:
         out.append('<p class="warn">Fake tensors: shapes and bytes as a real run, nothing was allocated.</p>')
+    if COMPILED_KEY in log.metadata:
+        out.append(
+            f'<p class="warn" id="memtrim-compiled">'
+            f"{text(COMPILED_BANNER[0].upper() + COMPILED_BANNER[1:])}.</p>"
+        )
     if peak.allocation is None:
         out.append("<h1>memtrim: no allocations inside the region</h1>")
         return out

@@ -10,6 +10,7 @@ from memtrim.doctor import diagnoses
 from memtrim.report.escape import safe
 from memtrim.trace.entries import region_entries
 from memtrim.trace.model import Site, shape_text, site_text
+from memtrim.trace.notes import COMPILED_BANNER, COMPILED_KEY
 from memtrim.units import format_bytes, format_change
 
 
@@ -310,6 +311,8 @@ def render(analysis: Analysis, *, top: int = 5) -> str:
         f"{label} {format_bytes(peak.bytes)} above the region's start on {safe(str(peak.device))}{mode}"
     )
     out.append(f"  reached in {a.phase} by {safe(a.op)}{node} at {_where(a.site)}")
+    if COMPILED_KEY in log.metadata:
+        out += textwrap.wrap(COMPILED_BANNER, 100, initial_indent="  ", subsequent_indent="    ")
     for device, measured in log.cuda_max_allocated.items():
         out.append(
             f"  torch.cuda.max_memory_allocated over the region on {safe(device)}: {format_bytes(measured)}"

@@ -5,6 +5,12 @@ The what-if checkpoints every block of the group: what each block saved for back
 is freed after its last forward read; when backward reaches the block, its forward runs again (one
 block's recompute transient: the most its own allocations held at once in forward) and the saved
 activations come back, to be freed as backward consumed them before.
+
+Side effects decide what the recompute keeps. A block that writes a buffer in place in its forward
+(BatchNorm in training mode counts ``num_batches_tracked`` and moves its running statistics) would do it
+twice under plain ``torch.utils.checkpoint``; ``memtrim.fixes.checkpoint_modules`` copies those buffers
+before each recompute and writes them back after, so the finding names it alone and the what-if adds the
+copies. Dropout's random numbers are replayed by checkpoint's RNG state (``preserve_rng_state``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memtrim.analysis.flow import writes_in_place
+from memtrim.analysis.roles import Role
 from memtrim.analysis.whatif import Added, Edits
 from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
-from memtrim.doctor.rules.common import attribute_path, numel
+from memtrim.doctor.rules.common import attribute_path, called_object, numel
 from memtrim.trace.model import Allocation, Phase, Site
 from memtrim.units import format_bytes
 
@@ -139,6 +147,31 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
         return 2 * batch * m * n * k
 
 
+def _buffer_updates(analysis: Analysis, first: int, last: int) -> tuple[list[str], int]:
+    """The modules among ops ``first..last`` that write a buffer in place, and the bytes of the buffers
+    those modules read (what ``checkpoint_modules`` copies to restore them after a recompute)."""
+    flow, allocations = analysis.flow, analysis.allocations
+    writers: dict[str, None] = {}
+    for seq in range(first, last + 1):
+        row = flow.ops[seq]
+        if (
+            row.inputs
+            and writes_in_place(row.op)
+            and analysis.role(allocations[row.inputs[0]]) is Role.BUFFER
+        ):
+            writers[row.module or ""] = None
+    if not writers:
+        return [], 0
+    read = {
+        i
+        for seq in range(first, last + 1)
+        if (flow.ops[seq].module or "") in writers
+        for i in flow.ops[seq].inputs
+        if analysis.role(allocations[i]) is Role.BUFFER
+    }
+    return list(writers), sum(allocations[i].bytes for i in read)
+
+
 def _recompute_peak(analysis: Analysis, made: list[int], first: int, last: int) -> int:
     """The most a block's own allocations held at once during its forward run (ops first..last)."""
     ops, allocations = analysis.flow.ops, analysis.allocations
@@ -173,6 +206,7 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
         changed: list[Allocation] = []
         at_peak = flops = 0
         transients: list[int] = []
+        updating: dict[str, None] = {}
         for block in blocks.values():
             for first, last in block.runs:
                 # the first backward op of the block after this run: where its recompute happens
@@ -192,7 +226,9 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
                     internal.append(a)
                 if not internal:
                     continue
-                peak_run = _recompute_peak(analysis, run_made, first, last)
+                writers, restored = _buffer_updates(analysis, first, last)
+                updating.update(dict.fromkeys(writers))
+                peak_run = _recompute_peak(analysis, run_made, first, last) + restored
                 transients.append(peak_run)
                 saved_bytes = sum(a.bytes for a in internal)
                 t = ops[start].tick
@@ -209,22 +245,42 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
             continue
         pattern = f"{pattern_base.rsplit('.', 1)[0]}.*"
         site: Site | None = changed[0].site
+        blocks_text = f"{container.split('.', 1)[-1]}.*"
+        if updating:
+            named = [attribute_path(m) or m for m in updating]
+            side = (
+                f"the blocks write buffers in place in their forward ({', '.join(named[:3])}"
+                f"{', ...' if len(named) > 3 else ''}: BatchNorm's running statistics in training mode); a "
+                "recompute would write them again, so plain torch.utils.checkpoint changes them: "
+                "checkpoint_modules copies them before each recompute and puts them back after"
+            )
+            plain = ""
+        else:
+            side = "nothing the blocks do writes a buffer in place; dropout's RNG state is replayed"
+            plain = (
+                " (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) around each block's"
+                " forward)"
+            )
         diagnosis = finding(
             analysis,
             rule="checkpoint-candidates",
             site=site,
             problem=(
-                f"activations saved inside the {len(blocks)} {container.split('.', 1)[-1]}.* blocks are "
+                f"activations saved inside the {len(blocks)} {blocks_text} blocks are "
                 f"{format_bytes(at_peak)} of the peak"
             ),
-            fix=f'memtrim.fixes.checkpoint_modules(model, ["{pattern}"]) (torch.utils.checkpoint.checkpoint('
-            "block, x, use_reentrant=False) around each block's forward)",
+            fix=f'memtrim.fixes.checkpoint_modules(model, ["{pattern}"]){plain}',
+            code=(
+                "import memtrim.fixes\n"
+                f'handle = memtrim.fixes.checkpoint_modules(model, ["{pattern}"])  # handle.undo() restores'
+            ),
+            binds=(("model", called_object(analysis, container)),),
             allocations=tuple(changed),
             edits=Edits(free_at=free_at, add=tuple(added)),
             safe_because=(
                 "only activations a block saved and only that block reads are dropped; block outputs stay",
-                "checkpoint re-runs the same ops in the same order, with the RNG state replayed: results and "
-                "gradients bit for bit equal; prove it with memtrim.verify(..., mode='exact')",
+                side,
+                "checkpoint re-runs the same ops in the same order: results and gradients bit for bit equal",
             ),
             keeps="exact",
             module=container,

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from memtrim.analysis.flow import base_name, writes_in_place, writes_out
 from memtrim.trace.model import Allocation, OpRow, Site, shorten_path
+from memtrim.trace.notes import COMPILED_KEY
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
 
 ITEMSIZE = {
     "float64": 8,
@@ -115,3 +120,20 @@ __all__ = [
     "writes_in_place",
     "writes_out",
 ]
+
+
+_ORDINALS = {2: "second", 3: "third", 4: "fourth"}
+
+
+def called_object(analysis: Analysis, module: str) -> str:
+    """What ``model`` stands for in a fix applied to a recorded module path's outermost module:
+    ``your T5ForConditionalGeneration (the object whose modules the program ran)``. A second object of
+    one class is ``Name#2`` in paths; a compiled program's paths lead with the module torch.compile
+    wrapped."""
+    lead = module.partition(".")[0]
+    name, _, number = lead.partition("#")
+    which = f"the {_ORDINALS.get(int(number), number + 'th')} " if number.isdigit() else "your "
+    text = f"{which}{name} (the object whose modules the program ran)"
+    if COMPILED_KEY in analysis.log.metadata:
+        text += "; for a torch.compile'd model, the module it compiled (compiled._orig_mod)"
+    return text

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from memtrim.analysis.whatif import Edits
 from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
 from memtrim.doctor.rules.common import (
+    attribute_path,
     base_name,
+    called_object,
     dims,
     is_float,
     is_view_like,
@@ -199,6 +201,51 @@ def _scalar_operand(name: str, inputs: tuple[int, ...]) -> bool:
     return name in (_COMMUTATIVE | _ORDERED) and len(inputs) == 1
 
 
+_INPLACE_MODULE_OPS = frozenset(
+    {
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "elu",
+        "celu",
+        "selu",
+        "hardtanh",
+        "silu",
+        "hardswish",
+        "mish",
+        "threshold",
+    }
+)
+"""Ops of the activation modules that take ``inplace=`` (``nn.ReLU``, ``nn.SiLU``, ...), each the whole
+forward of such a module."""
+
+
+def type_hint(names: Sequence[str]) -> str:
+    """``ReLU``: the module class an activation op's module usually is."""
+    classes = {"relu": "ReLU", "relu6": "ReLU6", "leaky_relu": "LeakyReLU", "elu": "ELU",
+               "celu": "CELU", "selu": "SELU", "hardtanh": "Hardtanh", "silu": "SiLU",
+               "hardswish": "Hardswish", "mish": "Mish", "threshold": "Threshold"}  # fmt: skip
+    return "/".join(dict.fromkeys(classes[n] for n in names if n in classes)) or "ReLU"
+
+
+def _inplace_modules(analysis: Analysis, steps: list[int]) -> list[str] | None:
+    """``named_modules()`` names of the modules whose forward is exactly the chain ops ``steps`` (op
+    numbers), each an activation module's op (a module reused elsewhere, for a tensor that must be kept,
+    is not: all of its forward ops must be steps); None where the chain is not only such modules."""
+    flow = analysis.flow
+    modules: dict[str, None] = {}
+    for seq in steps:
+        row = flow.ops[seq]
+        if flow.names[seq] not in _INPLACE_MODULE_OPS or not row.module or attribute_path(row.module) is None:
+            return None
+        modules[row.module] = None
+    chosen = set(steps)
+    for seq, row in enumerate(flow.ops):
+        if row.phase is Phase.FORWARD and row.module in modules and seq not in chosen:
+            return None
+    return [attribute_path(m) or "" for m in modules]
+
+
 @DIAGNOSES.register("out-of-place-chain")
 def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
     """Consecutive same-shape elementwise results, each the only thing its input is used for from then
@@ -267,6 +314,25 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
                 "(t.mul_(a / b) for t * a / b) changes bf16 and fp16 rounding"
             )
         where_text = f" in {first.node}.backward" if first.phase is Phase.BACKWARD and first.node else ""
+        fix = f"t = the {base_name(first.op)} at {where(first.site)}, then in place, in the same order: "
+        fix += rewrite
+        code: str | None = None
+        binds: tuple[tuple[str, str], ...] = ()
+        in_modules = _inplace_modules(analysis, [flow.producer[i] for chain in chains for i in chain[1:]])
+        if in_modules:
+            lead = next(r.module for r in steps if r.module)
+            fix = (
+                f"set inplace=True on the {len(in_modules)} activation modules that make them "
+                f"({', '.join(in_modules[:3])}{', ...' if len(in_modules) > 3 else ''}): "
+                f"nn.{type_hint(names)}(inplace=True) where the model is built"
+            )
+            code = (
+                f"for name in {in_modules!r}:\n"
+                "    module = model.get_submodule(name)\n"
+                "    assert hasattr(module, 'inplace'), f'{name} takes no inplace='\n"
+                "    module.inplace = True"
+            )
+            binds = (("model", called_object(analysis, lead)),)
         diagnosis = finding(
             analysis,
             rule="out-of-place-chain",
@@ -275,8 +341,9 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
                 f"{len(example)} {dims(first.shape)} {first.dtype} results made one from another"
                 f"{where_text} (lines {lines_text(lines)}), each input unused afterwards"
             ),
-            fix=f"t = the {base_name(first.op)} at {where(first.site)}, then in place, in the same order: "
-            f"{rewrite}",
+            fix=fix,
+            code=code,
+            binds=binds,
             allocations=tuple(removed),
             edits=Edits(remove=frozenset(a.id for a in removed), free_at=free_at),
             safe_because=(
