@@ -1,18 +1,31 @@
 """memtrim.fixes: verified drop-ins for the commonest memory hogs, each a line you can paste.
 
 - :func:`chunked_linear_cross_entropy`: ``F.cross_entropy(hidden @ weight.T, target)`` without the
-  ``[tokens, vocab]`` logits (a chunked loss that recomputes each chunk's logits in backward).
+  ``[tokens, vocab]`` logits (a chunked loss that recomputes each chunk's logits in backward), with the
+  elementwise chain a model puts between them (``logit_scale``, ``softcap``).
+- :func:`causal_lm_cross_entropy`: the same with a transformers causal LM's loss semantics (label shift,
+  fp32, ``num_items_in_batch``).
+- :func:`chunked_loss`: ``handle = chunked_loss(model)`` makes a transformers causal LM's ``.loss`` chunked
+  (``.logits`` is None when ``labels`` are passed); ``handle.remove()`` undoes it.
 - :func:`checkpoint_modules`: activation checkpointing on the modules named by a pattern
   (``"transformer.h.*"``), bit-exact, undoable.
 """
 
 from memtrim.fixes.checkpoint import CheckpointHandle, checkpoint_modules, glob_to_regex
-from memtrim.fixes.cross_entropy import auto_chunk_size, chunked_linear_cross_entropy
+from memtrim.fixes.cross_entropy import (
+    auto_chunk_size,
+    causal_lm_cross_entropy,
+    chunked_linear_cross_entropy,
+)
+from memtrim.fixes.hf_loss import ChunkedLossHandle, chunked_loss
 
 __all__ = [
     "CheckpointHandle",
+    "ChunkedLossHandle",
     "auto_chunk_size",
+    "causal_lm_cross_entropy",
     "checkpoint_modules",
     "chunked_linear_cross_entropy",
+    "chunked_loss",
     "glob_to_regex",
 ]

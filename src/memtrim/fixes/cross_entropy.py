@@ -131,6 +131,15 @@ class _Tiles:
         return g if self.low is None else self.low[: g.numel()].view(g.shape).copy_(g)
 
 
+def _apply_chain_(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """``z -> softcap * tanh(scale * z / softcap)`` (or ``scale * z`` without a softcap), in place: the
+    elementwise chain a model applies between its lm_head and the loss (Gemma 2's final-logit softcap is
+    ``scale=1``; a temperature ``T`` is ``scale=1/T``)."""
+    if softcap is not None:
+        return z.mul_(scale / softcap).tanh_().mul_(softcap)
+    return z.mul_(scale) if scale != 1.0 else z
+
+
 def _blocks(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -156,6 +165,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         reduction: Reduction,
         smoothing: float,
         out_dtype: torch.dtype,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         tokens, vocab = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
@@ -175,7 +186,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for v0, v1 in _blocks(vocab, cols):
                 w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
                 for r0, r1 in _blocks(tokens, rows):
-                    z = tiles.logits(hidden[r0:r1], w, b)
+                    z = _apply_chain_(tiles.logits(hidden[r0:r1], w, b), scale, softcap)
                     column, inside = _target_in_block(safe[r0:r1], v0, v1)
                     z_target[r0:r1] += z.gather(1, column).squeeze(1).masked_fill_(~inside, 0.0)
                     if z_sum is not None:
@@ -197,7 +208,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows_loss.masked_fill_(~valid, 0.0)
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, bias, target, ref, log_sum, count)
-        ctx.config = (chunk, ignore_index, reduction, smoothing)
+        ctx.config = (chunk, ignore_index, reduction, smoothing, scale, softcap)
         if reduction == "none":
             return rows_loss.to(out_dtype)
         total = rows_loss.sum()
@@ -207,7 +218,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, target, ref, log_sum, count = ctx.saved_tensors
-        chunk, ignore_index, reduction, smoothing = ctx.config
+        chunk, ignore_index, reduction, smoothing, scale, softcap = ctx.config
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _backward(
@@ -226,8 +237,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 need_hidden,
                 need_weight,
                 need_bias,
+                scale,
+                softcap,
             )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _backward(
@@ -246,6 +259,8 @@ def _backward(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients tile by tile: ``g = (softmax - (1 - eps) * one_hot - eps / vocab) * upstream`` per tile,
     ``grad_hidden += g @ weight_block`` and ``grad_weight_block (+)= g.T @ hidden_rows``."""
@@ -268,6 +283,10 @@ def _backward(
     if tokens:
         rows, cols = tiling(tokens, vocab, chunk)
         tiles = _Tiles(rows, cols, dtype, hidden.device)
+        # the softcap's derivative, scale * (1 - tanh^2), per logit: a second tile (in the accumulation dtype)
+        chain_grad = (
+            torch.empty(rows * cols, dtype=acc, device=hidden.device) if softcap is not None else None
+        )
         row_blocks = _blocks(tokens, rows)
         # more than one row block: a block of the weight's gradient sums over them, in the accumulation dtype
         block_acc = (
@@ -282,11 +301,23 @@ def _backward(
             for r0, r1 in row_blocks:
                 s = scale[r0:r1, None]
                 g = tiles.logits(hidden[r0:r1], w, b)
+                d = None
+                if softcap is not None and chain_grad is not None:
+                    g.mul_(logit_scale / softcap).tanh_()
+                    d = torch.mul(g, g, out=chain_grad[: g.numel()].view(g.shape))
+                    d.neg_().add_(1.0).mul_(logit_scale)
+                    g.mul_(softcap)
+                elif logit_scale != 1.0:
+                    g.mul_(logit_scale)
                 g.sub_(ref[r0:r1, None]).sub_(log_sum[r0:r1, None]).exp_().mul_(s)  # softmax * upstream
                 column, inside = _target_in_block(safe[r0:r1], v0, v1)
                 g.scatter_add_(1, column, (s * -(1.0 - smoothing)).masked_fill_(~inside[:, None], 0.0))
                 if smoothing:
                     g.sub_(s * (smoothing / vocab))
+                if d is not None:  # through the chain: d loss / d raw logit
+                    g.mul_(d)
+                elif logit_scale != 1.0:
+                    g.mul_(logit_scale)
                 g_in = tiles.in_input_dtype(g)  # rounded to fp16/bf16, as the unfused loss's gradient is
                 if grad_hidden is not None:
                     if g_in is g:
@@ -319,8 +350,18 @@ def chunked_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    upcast: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, target, ...)`` without materialising the logits.
+
+    ``logit_scale`` and ``softcap``: the elementwise chain between the matmul and the loss, applied per
+    tile in the accumulation dtype: ``logits * logit_scale`` (a temperature ``T`` is ``1/T``), then with a
+    softcap ``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``). Plain
+    ``(h @ W.T / T).tanh() * c`` is ``logit_scale=c/T, softcap=c``. A scale on the *hidden* states (T5's
+    ``d_model**-0.5``) is a scale of the logits too. With a softcap, backward holds a second tile (its
+    derivative). ``upcast``: return the loss in fp32 (as HF's losses ``.float()`` the logits).
 
     ``hidden``: ``[..., H]`` (any leading dims, flattened to tokens); ``weight``: ``[vocab, H]`` (an
     ``nn.Linear`` 's or a tied embedding's weight); ``target``: integer class indices shaped like
@@ -348,7 +389,9 @@ def chunked_linear_cross_entropy(
     True
     """
     _check(hidden, weight, target, bias, chunk_size, reduction, label_smoothing)
-    out_dtype = hidden.dtype
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32) if upcast else hidden.dtype
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):  # as autocast would cast the matmul's operands
         low = torch.get_autocast_dtype(device_type)
@@ -372,6 +415,8 @@ def chunked_linear_cross_entropy(
             reduction,
             float(label_smoothing),
             out_dtype,
+            float(logit_scale),
+            None if softcap is None else float(softcap),
         )
     return loss.view(lead) if reduction == "none" else loss
 
@@ -445,3 +490,51 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
             f"target {value} is out of bounds for a vocabulary of {vocab} (ignore_index={ignore_index}); "
             "targets must be class indices in [0, vocab) or ignore_index"
         )
+
+
+def causal_lm_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    shift: bool = True,
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The loss a transformers causal LM computes from ``labels``, chunked: what ``ForCausalLMLoss`` does
+    with ``lm_head(hidden)`` (labels shifted left by one, the last position padded with ``ignore_index``,
+    logits upcast to fp32, the mean over the tokens not ignored, or the sum divided by
+    ``num_items_in_batch`` when given), without the ``[tokens, vocab]`` logits. ``shift=False`` for labels
+    already aligned with ``hidden`` (encoder-decoder models, ``shift_labels``).
+
+    >>> h = torch.randn(2, 6, 16, requires_grad=True); W = torch.randn(50, 16)
+    >>> y = torch.randint(0, 50, (2, 6))
+    >>> ref = torch.nn.functional.cross_entropy((h[:, :-1] @ W.T).flatten(0, 1), y[:, 1:].flatten())
+    >>> bool(torch.allclose(causal_lm_cross_entropy(h, W, y), ref, rtol=1e-5))
+    True
+    """
+    if shift:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    labels = labels.to(hidden.device)
+    reduction: Reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = chunked_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        upcast=True,
+    )
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
