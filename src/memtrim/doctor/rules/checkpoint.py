@@ -16,6 +16,7 @@ copies. Dropout's random numbers are replayed by checkpoint's RNG state (``prese
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -130,7 +131,13 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
             lengths.append(numel(a) // rows)
     if not lengths:
         return 0
-    k = min(lengths)
+    return _registry_flops(name, batch, m, n, min(lengths))
+
+
+@functools.lru_cache(maxsize=4096)
+def _registry_flops(name: str, batch: int, m: int, n: int, k: int) -> int:
+    """torch's FLOP formula for one matmul shape; cached, since a long trace repeats a few shapes
+    (the formula's pytree walk was most of the doctor's time on a 1M-op trace)."""
     try:
         import torch
         from torch.utils.flop_counter import flop_registry
