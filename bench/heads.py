@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memtrim.bench.compare import Comparison, compare
+from memtrim.bench.measure import Comparison, compare
 from memtrim.cases.heads import head_results, head_results_broadcast
 
 HEADS, D_HEAD, D_MODEL = 12, 64, 768  # GPT-2 small

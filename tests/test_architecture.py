@@ -102,6 +102,28 @@ def test_subpackages_are_not_shadowed_by_functions(name: str) -> None:
     assert getattr(memtrim, name, package) is package
 
 
+def test_no_package_attribute_hides_one_of_its_modules() -> None:
+    # `memtrim.bench.compare` once named both the function and the module bench/compare.py: the function
+    # won, and `import memtrim.bench.compare` gave a module that `memtrim.bench.compare` then did not name.
+    import importlib
+    import types
+
+    hidden = []
+    for init in sorted(SRC.rglob("__init__.py")):
+        package_name = ".".join(("memtrim", *init.parent.relative_to(SRC).parts))
+        package = importlib.import_module(package_name)
+        for child in sorted(init.parent.iterdir()):
+            name = child.stem if child.suffix == ".py" else child.name
+            if name.startswith("_") or not (child.suffix == ".py" or (child / "__init__.py").exists()):
+                continue
+            value = getattr(package, name, None)
+            if value is not None and not isinstance(value, types.ModuleType):
+                hidden.append(
+                    f"{package_name}.{name} is {type(value).__name__}, hiding {child.relative_to(SRC)}"
+                )
+    assert not hidden, "\n".join(hidden)
+
+
 def test_numpy_is_not_needed_at_run_time() -> None:
     # numpy is not a dependency of memtrim (`pip install memtrim` runs both demos without it): no module
     # imports it and nothing calls Tensor.numpy().

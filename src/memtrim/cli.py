@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -145,6 +146,8 @@ class Outcome:
     failure: BaseException | None = None
     message: str | None = None
     held: list[Any] = field(default_factory=list)
+    pid: int = field(default_factory=os.getpid)
+    """The process that started the run: a child the program forks never reports or writes."""
 
 
 def _exit_status(exc: SystemExit, outcome: Outcome) -> None:
@@ -172,6 +175,31 @@ def _execute(args: argparse.Namespace, outcome: Outcome) -> None:
         outcome.status, outcome.failure = 130, exc
     except BaseException as exc:  # the trace up to the failure is what the user came for
         outcome.status, outcome.failure = 1, exc
+    if os.getpid() != outcome.pid:
+        _end_forked_child(outcome)
+
+
+def _end_forked_child(outcome: Outcome) -> None:
+    """A child of ``os.fork()`` that returned out of the program ends here, as Python would end it
+    (its traceback or exit message, its status), before it could overwrite the parent's trace."""
+    if outcome.failure is not None and not isinstance(outcome.failure, KeyboardInterrupt):
+        print_traceback(outcome.failure)
+    elif outcome.message is not None:
+        print(outcome.message, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(outcome.status)
+
+
+def _die_by_sigint() -> None:
+    """End as ``python`` does after an uncaught ``KeyboardInterrupt``: killed by SIGINT, so the shell or
+    the parent sees the signal (status -2 to a subprocess), not a plain exit status."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _strip(te: traceback.TracebackException, seen: set[int] | None = None) -> None:
@@ -255,6 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.argv = [args.script, *args.args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     outcome = Outcome()
+    started_in = os.getcwd()  # -o and the views name paths from here, whatever the program's os.chdir
     if args.region:
         trace = _run_region(args, outcome)
     else:
@@ -262,6 +291,8 @@ def _run(args: argparse.Namespace) -> int:
             _execute(args, outcome)
             if outcome.failure is not None and not isinstance(outcome.failure, KeyboardInterrupt):
                 trace.log.error = f"{type(outcome.failure).__name__}: {outcome.failure}"
+    with contextlib.suppress(OSError):  # back where the paths were given (unless that folder was removed)
+        os.chdir(started_in)
     if outcome.failure is not None:
         print_traceback(outcome.failure)
     elif outcome.message is not None:
@@ -281,7 +312,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"\ntrace written to {args.output} (memtrim show {args.output})", file=sys.stderr)
     # the program's objects go only now, after the region closed and everything was written
     outcome.held.clear()
-    outcome.failure = None
+    interrupted, outcome.failure = isinstance(outcome.failure, KeyboardInterrupt), None
+    if interrupted:
+        _die_by_sigint()
     return outcome.status
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from memtrim.api import track
-from memtrim.bench.compare import compare
+from memtrim.bench.measure import compare
 from memtrim.cases.heads import head_results, head_results_broadcast
 from memtrim.units import format_bytes
 from memtrim.verify.api import verify

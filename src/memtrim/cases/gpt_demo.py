@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from memtrim.api import track
-from memtrim.bench.compare import compare
+from memtrim.bench.measure import compare
 from memtrim.cases import gpt
 from memtrim.fixes import checkpoint_modules
 from memtrim.units import format_bytes, format_delta

@@ -242,8 +242,8 @@ def _how_to_cut_it(analysis: Analysis, top: int) -> list[str]:
         if analysis.log.ops and not analysis.flow.recorded:
             return [
                 "",
-                "How to cut it: this trace does not record which op read what (memtrim.trace/1); "
-                "record it again for diagnoses.",
+                "How to cut it: no op in this trace records a tensor it read, so there is no data flow to "
+                "diagnose (a memtrim.trace/1 file never records it: record the program again).",
             ]
         return []
     out = ["", "How to cut it (largest saving first):"]

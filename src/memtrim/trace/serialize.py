@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import secrets
+import stat
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 
@@ -177,7 +179,7 @@ def log_from_dict(data: Any) -> TraceLog:
         raise TraceFormatError("not a memtrim trace: expected a JSON object with a 'schema' field")
     if data["schema"] not in READABLE_SCHEMAS:
         raise TraceFormatError(
-            f"trace schema {data['schema']!r} is not supported by this memtrim (reads "
+            f"trace schema {_prefix(data['schema'])} is not supported by this memtrim (reads "
             f"{', '.join(map(repr, READABLE_SCHEMAS))}); re-record the trace with this version"
         )
     get = lambda name: _field(data, name, "the trace")  # noqa: E731
@@ -302,6 +304,42 @@ def log_from_dict(data: Any) -> TraceLog:
 
 
 # -- files -----------------------------------------------------------------------------------------
+STALE_TEMPORARY_SECONDS = 3600
+"""A temporary of the same target this old is left over from a killed save, whoever wrote it."""
+
+
+def _writer_gone(pid: str) -> bool:
+    """Whether the process that named a temporary (its pid is in the name) has ended."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+def _remove_stale_temporaries(folder: str, name: str) -> None:
+    """Remove ``.NAME.PID-XXXXXXXX.memtrim-tmp`` files of the same target whose writer has ended (a save
+    killed before its rename, ``kill -9``, leaves one behind) or that are an hour old (a writer on
+    another machine sharing the folder); a live writer's temporary is left alone."""
+    prefix, suffix, now = f".{name}.", ".memtrim-tmp", time.time()
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.startswith(prefix) and entry.endswith(suffix)):
+            continue
+        pid, _, token = entry[len(prefix) : -len(suffix)].partition("-")
+        if not (pid.isdigit() and len(token) == 8):
+            continue
+        stale = os.path.join(folder, entry)
+        with contextlib.suppress(OSError):
+            if _writer_gone(pid) or now - os.lstat(stale).st_mtime >= STALE_TEMPORARY_SECONDS:
+                os.unlink(stale)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str, *, binary: bool = False) -> Iterator[IO[Any]]:
     """A file that appears at ``path`` whole or not at all: a temporary file in the same folder, renamed
@@ -311,7 +349,8 @@ def atomic_file(path: str, *, binary: bool = False) -> Iterator[IO[Any]]:
     ``mkstemp``'s 0600; an existing file's permissions are kept.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.memtrim-tmp")
+    _remove_stale_temporaries(folder, os.path.basename(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}-{secrets.token_hex(4)}.memtrim-tmp")
     try:
         mode = os.stat(path).st_mode & 0o7777
     except OSError:
@@ -359,6 +398,17 @@ def save(log: TraceLog, path: str, summary: Mapping[str, Any] | None = None) -> 
     write_text_atomically(path, dumps(log, summary))
 
 
+MAX_TRACE_BYTES = 4 << 30
+"""The most :func:`load` reads: a bigger file is refused before it is parsed (JSON of that size would
+need several times as much memory to parse)."""
+
+
+def _prefix(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to its first ``limit`` characters: errors quote what they refuse, briefly."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _no_constants(name: str) -> Any:
     raise TraceFormatError(f"malformed memtrim trace: {name} is not a number a trace can hold")
 
@@ -372,11 +422,19 @@ def loads(text: str | bytes, source: str = "the trace") -> TraceLog:
         raise TraceFormatError(f"{source} is not JSON ({exc}); memtrim traces are JSON files") from exc
     except RecursionError as exc:
         raise TraceFormatError(f"{source} nests too deeply to be a memtrim trace") from exc
+    except ValueError as exc:  # Python's int-string limit (an integer of thousands of digits)
+        raise TraceFormatError(f"{source} holds a number too long for a memtrim trace ({exc})") from exc
     return log_from_dict(data)
 
 
 def load(path: str) -> TraceLog:
     """Read a trace log written by :func:`save`."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TraceFormatError(f"{path} is not a regular file (a pipe, a device or a socket)")
+        raw = handle.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise TraceFormatError(f"{path} is larger than {MAX_TRACE_BYTES >> 30} GiB, too large for a trace")
     return loads(raw, path)
