@@ -14,6 +14,7 @@ from memtrim.doctor.rules.common import (
     HALF,
     ITEMSIZE,
     base_name,
+    called_object,
     describe,
     dims,
     is_float,
@@ -204,19 +205,35 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
         )
         upcast = " and its upcast" if len(first.chain) > 1 else ""
         buffers = len(first.chain) + 1 + len(first.backward)
+        fix = (
+            f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}, "
+            f"chunk_size={chunk}), hidden the [{tokens}, {width}] input of {where(first.logits.site)}, "
+            f"target the [{tokens}] labels"
+        )
+        code: str | None = None
+        binds: tuple[tuple[str, str], ...] = ()
+        if _in_transformers_loss(first.log_probs.site):
+            # the model's own loss (ForCausalLMLoss: labels shifted, -100 ignored, fp32): patch the model
+            # so that model(..., labels=labels).loss is that loss, chunked; the user keeps their forward
+            fix = (
+                f"memtrim.fixes.chunked_loss(model, chunk_size={chunk}): model(..., labels=labels).loss is "
+                "the model's own loss (labels shifted, -100 ignored, fp32, softcap) without the logits "
+                "(.logits is None when labels are passed)"
+            )
+            code = f"import memtrim.fixes\nhandle = memtrim.fixes.chunked_loss(model, chunk_size={chunk})"
+            root = first.log_probs.module or first.logits.module or ""
+            binds = (("model", called_object(analysis, root) if root else "your transformers causal LM"),)
         diagnosis = finding(
             analysis,
             rule="logits-cross-entropy",
+            code=code,
+            binds=binds,
             site=first.log_probs.site,
             problem=(
                 f"{dims((tokens, vocab))} {first.logits.dtype} logits{upcast} feed cross_entropy: "
                 f"{buffers} buffers of {tokens}x{vocab} live for the loss"
             ),
-            fix=(
-                f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}, "
-                f"chunk_size={chunk}), hidden the [{tokens}, {width}] input of {where(first.logits.site)}, "
-                f"target the [{tokens}] labels"
-            ),
+            fix=fix,
             allocations=tuple(removed),
             edits=edits,
             safe_because=(
@@ -238,6 +255,11 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
         if diagnosis is not None:
             results.append(diagnosis)
     return results
+
+
+def _in_transformers_loss(site: Site | None) -> bool:
+    """The loss ran in transformers' own loss functions (``transformers/loss/loss_utils.py``)."""
+    return site is not None and "transformers/loss/" in site.file.replace("\\", "/")
 
 
 # -- upcast-copy -------------------------------------------------------------------------------------
