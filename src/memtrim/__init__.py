@@ -8,10 +8,13 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 from __future__ import annotations
 
 from memtrim.analysis import Analysis, Category, LineGroup, Peak, analyze
-from memtrim.api import Diff, RanksDiff, Trace, diff, diff_ranks, load, track
+from memtrim.api import Diff, RanksDiff, Trace, diff, diff_ranks, fit, load, track
 from memtrim.capture.distributed import fake_world
 from memtrim.capture.regions import region
 from memtrim.doctor import Diagnosis
+from memtrim.plan import Plan, load_plan
+from memtrim.plan.apply import applied
+from memtrim.plan.fit import NoPlanFits
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
 __version__ = "0.1.0"
@@ -31,9 +34,11 @@ __all__ = [
     "Diagnosis",
     "Diff",
     "LineGroup",
+    "NoPlanFits",
     "OpCall",
     "Peak",
     "Phase",
+    "Plan",
     "RanksDiff",
     "Site",
     "Trace",
@@ -41,10 +46,13 @@ __all__ = [
     "TraceLog",
     "__version__",
     "analyze",
+    "applied",
     "diff",
     "diff_ranks",
     "fake_world",
+    "fit",
     "load",
+    "load_plan",
     "region",
     "track",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from memtrim.analysis import Analysis, LineGroup, Peak, analyze
@@ -20,6 +20,7 @@ from memtrim.analysis.rankdiff import RankSetDiff, diff_rank_sets
 from memtrim.capture.api import record
 from memtrim.capture.source import remember_source_lines
 from memtrim.doctor import Diagnosis, diagnoses
+from memtrim.plan.file import Plan
 from memtrim.report import json as report_json
 from memtrim.report import rankdiff as report_rankdiff
 from memtrim.report.diff import render_html as render_diff_html
@@ -345,3 +346,32 @@ def load(path: str) -> Trace:
     """Read a trace written by :meth:`Trace.save` (JSON only; a bad file raises
     :class:`~memtrim.trace.TraceFormatError` naming the field)."""
     return Trace(serialize.load(path))
+
+
+def fit(
+    step: Callable[[], object],
+    budget: str | int,
+    allow: Iterable[str] = ("exact", "reference"),
+) -> Plan:
+    """The cheapest plan (levers of :mod:`memtrim.plan`) that brings ``step()``'s peak to ``budget``
+    (``"24GiB"`` or bytes): ``step`` is recorded once, the levers' combinations are replayed on the
+    recording, and the step is run again with the plan applied to measure it (``plan.measured_peak``).
+    Raises :class:`~memtrim.plan.fit.NoPlanFits` naming the floor when no combination fits."""
+    from memtrim.doctor.diagnosis import KEEPS
+    from memtrim.plan import parse_budget
+    from memtrim.plan.apply import applied
+    from memtrim.plan.fit import NoPlanFits, fit_analysis
+
+    wanted = tuple(allow)
+    unknown = [k for k in wanted if k not in KEEPS]
+    if unknown:
+        raise ValueError(f"allow names what levers keep: one of {', '.join(KEEPS)}; got {unknown[0]!r}")
+    with track() as trace:
+        step()
+    fitted = fit_analysis(trace.analysis, parse_budget(budget), frozenset(wanted))  # type: ignore[arg-type]
+    if fitted.plan is None:
+        raise NoPlanFits(fitted.floor_text)
+    with applied(fitted.plan), track() as measured:
+        step()
+    fitted.plan.measured_peak = measured.peak_bytes
+    return fitted.plan

@@ -196,25 +196,50 @@ def _recompute_peak(analysis: Analysis, made: list[int], first: int, last: int) 
     return best
 
 
-@DIAGNOSES.register("checkpoint-candidates")
-def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
-    """Repeated indexed blocks whose own saved activations are a large share of the peak ->
-    ``memtrim.fixes.checkpoint_modules(model, ["<container>.*"])`` (``torch.utils.checkpoint``
-    around each block)."""
+@dataclass(frozen=True)
+class BlockRecompute:
+    """What checkpointing one block (``transformer.h.3``) does to the recorded timeline."""
+
+    container: str
+    """The module path of the blocks' container, as recorded (``GPT2LMHeadModel.transformer.h``)."""
+    block: str
+    """The block's recorded module path."""
+    attribute: str
+    """The block's attribute path from the model (``transformer.h.3``): the pattern that checkpoints it."""
+    free_at: dict[int, float | None]
+    added: tuple[Added, ...]
+    changed: tuple[Allocation, ...]
+    """The saved activations it frees after forward and makes again in backward."""
+    flops: int
+    """Recompute cost: the matmul FLOPs of one more forward of the block."""
+    transient: int
+    """The most the block's own allocations held at once in its forward run (with the copies of the
+    buffers it updates, which checkpoint_modules keeps during the recompute)."""
+    updates: tuple[str, ...] = ()
+    """Recorded module paths inside it that write a buffer in place (BatchNorm in training mode)."""
+
+    @property
+    def edits(self) -> Edits:
+        return Edits(free_at=self.free_at, add=self.added)
+
+
+def block_recomputes(analysis: Analysis) -> dict[str, list[BlockRecompute]]:
+    """Per container of two or more repeated blocks, what checkpointing each block would do: the edits
+    of any subset of them, merged, are the what-if of checkpointing that subset."""
     flow, allocations, ops = analysis.flow, analysis.allocations, analysis.flow.ops
-    results = []
-    alive = analysis.alive_ids_at_peak
+    found: dict[str, list[BlockRecompute]] = {}
     for container, blocks in _groups(flow).items():
-        pattern_base = attribute_path(container + ".0")
-        if len(blocks) < 2 or pattern_base is None:
+        if len(blocks) < 2 or attribute_path(container + ".0") is None:
             continue
-        free_at: dict[int, float | None] = {}
-        added: list[Added] = []
-        changed: list[Allocation] = []
-        at_peak = flops = 0
-        transients: list[int] = []
-        updating: dict[str, None] = {}
         for block in blocks.values():
+            attribute = attribute_path(block.path)
+            if attribute is None:
+                continue
+            free_at: dict[int, float | None] = {}
+            added: list[Added] = []
+            changed: list[Allocation] = []
+            flops = transient = 0
+            updating: dict[str, None] = {}
             for first, last in block.runs:
                 # the first backward op of the block after this run: where its recompute happens
                 after = bisect.bisect_right(block.backward, last)
@@ -236,7 +261,7 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
                 writers, restored = _buffer_updates(analysis, first, last)
                 updating.update(dict.fromkeys(writers))
                 peak_run = _recompute_peak(analysis, run_made, first, last) + restored
-                transients.append(peak_run)
+                transient = max(transient, peak_run)
                 saved_bytes = sum(a.bytes for a in internal)
                 t = ops[start].tick
                 added.append(Added(max(0, peak_run - saved_bytes), t - 0.6, t - 0.4))
@@ -245,16 +270,53 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
                     free_at[a.id] = (ops[reads[-1]].tick if reads else a.alloc_tick) + 0.5
                     added.append(Added(a.bytes, t - 0.6, a.free_tick))
                     changed.append(a)
-                    if a.id in alive:
-                        at_peak += a.bytes
                 flops += sum(_matmul_flops(flow, allocations, s) for s in range(first, last + 1))
+            if changed:
+                found.setdefault(container, []).append(
+                    BlockRecompute(
+                        container,
+                        block.path,
+                        attribute,
+                        free_at,
+                        tuple(added),
+                        tuple(changed),
+                        flops,
+                        transient,
+                        tuple(updating),
+                    )
+                )
+    return found
+
+
+@DIAGNOSES.register("checkpoint-candidates")
+def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
+    """Repeated indexed blocks whose own saved activations are a large share of the peak ->
+    ``memtrim.fixes.checkpoint_modules(model, ["<container>.*"])`` (``torch.utils.checkpoint``
+    around each block)."""
+    results = []
+    alive = analysis.alive_ids_at_peak
+    for container, recomputes in block_recomputes(analysis).items():
+        pattern_base = attribute_path(container + ".0")
+        assert pattern_base is not None  # block_recomputes keeps only containers with one
+        blocks = {r.block for r in recomputes}
+        free_at: dict[int, float | None] = {}
+        added: list[Added] = []
+        changed: list[Allocation] = []
+        for r in recomputes:
+            free_at.update(r.free_at)
+            added += r.added
+            changed += r.changed
+        at_peak = sum(a.bytes for a in changed if a.id in alive)
+        flops = sum(r.flops for r in recomputes)
+        transients = [r.transient for r in recomputes]
         if not changed or at_peak < DOMINATES * analysis.peak.bytes:
             continue
         pattern = f"{pattern_base.rsplit('.', 1)[0]}.*"
         site: Site | None = changed[0].site
         blocks_text = f"{container.split('.', 1)[-1]}.*"
+        updating = [m for r in recomputes for m in r.updates]
         if updating:
-            named = [attribute_path(m) or m for m in updating]
+            named = list(dict.fromkeys(attribute_path(m) or m for m in updating))
             side = (
                 f"the blocks write buffers in place in their forward ({', '.join(named[:3])}"
                 f"{', ...' if len(named) > 3 else ''}: BatchNorm's running statistics in training mode); a "

@@ -1,0 +1,85 @@
+"""The search: the cheapest combination of lever options whose replayed peak is at or under a budget.
+
+Every subset of up to :data:`EXHAUSTIVE` options is replayed (each combination's edits merged and
+replayed on the one live curve: exact); beyond that, options are added greedily by bytes saved per unit
+of cost until the budget is met. The Pareto front (peak vs cost) comes from the same replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memtrim.plan.levers import LEVERS, Option, merged
+
+if TYPE_CHECKING:
+    from memtrim.analysis.analysis import Analysis
+
+EXHAUSTIVE = 10
+"""Up to this many options every subset is replayed (1,024 replays); more are searched greedily."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A combination of options and its replayed peak."""
+
+    options: tuple[Option, ...]
+    peak: int
+
+    @property
+    def cost(self) -> float:
+        return sum(o.cost for o in self.options)
+
+
+@dataclass(frozen=True)
+class Search:
+    baseline: int
+    best: Candidate | None
+    """The cheapest candidate at or under the budget (None: none fits)."""
+    lowest: Candidate
+    """The lowest peak any searched combination reaches."""
+    front: tuple[Candidate, ...]
+    """Pareto front, by cost: no other candidate is both cheaper and lower."""
+
+
+def options_of(analysis: Analysis, allow: frozenset[str] = frozenset({"exact", "reference"})) -> list[Option]:
+    """Every option each registered lever offers on ``analysis``, limited to what ``allow`` keeps."""
+    return [o for lever in LEVERS.values() if lever.keeps in allow for o in lever.options(analysis)]
+
+
+def _peak(analysis: Analysis, options: tuple[Option, ...]) -> int:
+    return analysis.peak_with(merged(o.edits for o in options)) if options else analysis.peak.bytes
+
+
+def _pareto(candidates: list[Candidate]) -> tuple[Candidate, ...]:
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.cost, c.peak)):
+        if not front or c.peak < front[-1].peak:
+            front.append(c)
+    return tuple(front)
+
+
+def search(analysis: Analysis, budget: int, options: list[Option]) -> Search:
+    baseline = analysis.peak.bytes
+    candidates = [Candidate((), baseline)]
+    if len(options) <= EXHAUSTIVE:
+        for n in range(1, len(options) + 1):
+            for combo in itertools.combinations(options, n):
+                candidates.append(Candidate(combo, _peak(analysis, combo)))
+    else:
+        chosen: tuple[Option, ...] = ()
+        current = baseline
+        left = list(options)
+        while left and current > budget:
+            scored = [(o, _peak(analysis, (*chosen, o))) for o in left]
+            option, peak = max(scored, key=lambda s: (current - s[1]) / (s[0].cost + 1.0))
+            if peak >= current:
+                break
+            chosen, current = (*chosen, option), peak
+            left.remove(option)
+            candidates.append(Candidate(chosen, peak))
+    fits = [c for c in candidates if c.peak <= budget]
+    best = min(fits, key=lambda c: (c.cost, c.peak, len(c.options))) if fits else None
+    lowest = min(candidates, key=lambda c: (c.peak, c.cost))
+    return Search(baseline, best, lowest, _pareto(candidates))

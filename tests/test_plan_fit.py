@@ -1,0 +1,105 @@
+"""memtrim.plan on a small block stack: the search picks the cheapest blocks to checkpoint for a budget,
+the plan applied by ``memtrim.plan.apply.applied`` (global module hook, undone on exit) measures what it
+predicted (torch.profiler's allocation events as the ground truth), keeps gradients bit for bit, and a
+budget below what any lever reaches says the floor instead of a plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from groundtruth import profiler_memory
+from torch import nn
+
+import memtrim
+from memtrim.plan.apply import applied
+from memtrim.plan.fit import fit_analysis
+from memtrim.plan.search import options_of
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 512)
+        self.down = nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _setup() -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(), torch.randn(256, 64)
+
+
+def _step(model: Stack, x: torch.Tensor) -> None:
+    model(x).backward()
+
+
+def _recorded(model: Stack, x: torch.Tensor) -> memtrim.Trace:
+    _step(model, x)  # warm up: the recorded step is a steady one
+    model.zero_grad(set_to_none=True)
+    with memtrim.track() as trace:
+        _step(model, x)
+    model.zero_grad(set_to_none=True)
+    return trace
+
+
+def test_each_block_is_an_option_and_the_plan_measures_what_it_predicted() -> None:
+    model, x = _setup()
+    analysis = _recorded(model, x).analysis
+    options = options_of(analysis)
+    assert [o.target for o in options] == [f"blocks.{i}" for i in range(4)]
+    assert all(o.keeps == "exact" and o.cost > 0 for o in options)
+    # a budget just under the peak with block 0 checkpointed: the search must find a plan that fits
+    only_first = analysis.peak_with(options[0].edits)
+    assert only_first < analysis.peak.bytes
+    fitted = fit_analysis(analysis, only_first)
+    plan = fitted.plan
+    assert plan is not None and plan.predicted_peak <= only_first
+    assert plan.levers and all(lever.lever == "checkpoint" for lever in plan.levers)
+
+    _step(model, x)
+    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    with applied(plan), profiler_memory() as truth:
+        _step(model, x)
+    measured = truth.peak_in_window
+    print(f"baseline {analysis.peak.bytes} predicted {plan.predicted_peak} measured {measured}")
+    assert abs(measured - plan.predicted_peak) <= 0.05 * measured, (measured, plan.predicted_peak)
+    got = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    # undone on exit: the blocks' forward is their class's again
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+
+
+def test_a_budget_below_the_reachable_floor_names_it() -> None:
+    model, x = _setup()
+    analysis = _recorded(model, x).analysis
+    fitted = fit_analysis(analysis, analysis.peak.bytes // 10)
+    assert fitted.plan is None
+    lowest = fitted.search.lowest.peak
+    assert lowest < analysis.peak.bytes
+    assert "no plan fits" in fitted.floor_text and memtrim.units.format_bytes(lowest) in fitted.floor_text
+    assert "activation" in fitted.floor_text
+
+
+def test_memtrim_fit_records_plans_and_re_measures_a_step() -> None:
+    model, x = _setup()
+    baseline = _recorded(model, x).peak_bytes
+    plan = memtrim.fit(lambda: _step(model, x), budget=int(baseline * 0.95))
+    model.zero_grad(set_to_none=True)
+    assert plan.measured_peak is not None and plan.measured_peak <= plan.budget
+    assert plan.baseline_peak == baseline
+    with pytest.raises(memtrim.NoPlanFits, match="no plan fits"):
+        memtrim.fit(lambda: _step(model, x), budget=baseline // 10)
