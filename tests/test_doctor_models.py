@@ -141,7 +141,10 @@ def test_gpt2_logits_findings_name_the_loss_and_the_lm_head(gpt2_before: Measure
     head_line = source_line(modeling_gpt2.GPT2LMHeadModel.forward, "self.lm_head(")
     (ce,) = findings(trace, "logits-cross-entropy")
     assert ce.site == loss_line and head_line in ce.sites
-    assert "model.lm_head.weight" in ce.fix and f"[{BATCH * TOKENS}, 64] input" in ce.fix
+    # the model's own loss (ForCausalLMLoss): the fix is the model patched, not a hand-written loss
+    assert ce.fix.startswith("memtrim.fixes.chunked_loss(model, chunk_size=")
+    assert ce.code is not None and "memtrim.fixes.chunked_loss(model" in ce.code
+    assert "GPT2LMHeadModel" in dict(ce.binds)["model"]
     (kept,) = findings(trace, "kept-output")
     assert kept.site == head_line and kept.module == "GPT2LMHeadModel.lm_head"
     assert [a.shape for a in kept.allocations] == [(BATCH * TOKENS, 16384)]
@@ -174,6 +177,21 @@ def test_gpt2_chunked_loss_measures_the_logits_prediction(gpt2: Step, gpt2_befor
         return loss
 
     after = gpt2.run(chunked)
+    assert_fix_measures(ce, gpt2_before, after)
+    assert findings(after.trace, "logits-cross-entropy") == []
+
+
+def test_gpt2_chunked_loss_code_as_printed_measures_the_logits_prediction(
+    gpt2: Step, gpt2_before: Measured
+) -> None:
+    (ce,) = findings(gpt2_before.trace, "logits-cross-entropy")
+    assert ce.code is not None
+    scope: dict[str, object] = {"model": gpt2.model}
+    exec(ce.code, scope)  # the finding's code, as printed, on the program's own model
+    try:
+        after = gpt2.run(whole_output)  # the user's step, unchanged (.logits is None now)
+    finally:
+        scope["handle"].remove()  # type: ignore[attr-defined]
     assert_fix_measures(ce, gpt2_before, after)
     assert findings(after.trace, "logits-cross-entropy") == []
 
