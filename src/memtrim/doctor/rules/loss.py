@@ -217,8 +217,8 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
             # so that model(..., labels=labels).loss is that loss, chunked; the user keeps their forward
             fix = (
                 f"memtrim.fixes.chunked_loss(model, chunk_size={chunk}): model(..., labels=labels).loss is "
-                "the model's own loss (labels shifted, -100 ignored, fp32 as ForCausalLMLoss) without the logits "
-                "(.logits is None when labels are passed)"
+                "the model's own loss (labels shifted, -100 ignored, fp32 as ForCausalLMLoss) without the "
+                "logits (.logits is None when labels are passed)"
             )
             code = f"import memtrim.fixes\nhandle = memtrim.fixes.chunked_loss(model, chunk_size={chunk})"
             root = first.log_probs.module or first.logits.module or ""
