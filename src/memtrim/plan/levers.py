@@ -42,7 +42,8 @@ class Lever:
     name: str
     keeps: Keeps
     options: Callable[[Analysis], list[Option]]
-    code: Callable[[Sequence[Option]], str]
+    code: Callable[[Sequence[dict[str, Any]]], str]
+    """The code for a plan's uses of this lever, from their ``params`` (in plan order)."""
 
 
 LEVERS: Registry[str, Lever] = Registry("plan lever", "memtrim.plan.levers.LEVERS.add(name, Lever(...))")
@@ -75,9 +76,9 @@ def _checkpoint_options(analysis: Analysis) -> list[Option]:
     return options
 
 
-def _checkpoint_code(options: Sequence[Option]) -> str:
-    names = [o.params["module"] for o in options]
-    return f"memtrim.fixes.checkpoint_modules(model, {names!r})"
+def _checkpoint_code(params: Sequence[dict[str, Any]]) -> str:
+    names = [p["module"] for p in params]
+    return f"memtrim.fixes.checkpoint_modules(model, {names!r})  # model: the module they are named in"
 
 
 LEVERS.add("checkpoint", Lever("checkpoint", "exact", _checkpoint_options, _checkpoint_code))
