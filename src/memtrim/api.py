@@ -365,7 +365,7 @@ def fit(
     from memtrim.plan import parse_budget
     from memtrim.plan.apply import applied
     from memtrim.plan.fit import NoPlanFits, fit_analysis
-    from memtrim.plan.numerics import StateSnapshot, StepCapture, compare
+    from memtrim.plan.numerics import StateSnapshot, StepCapture, compare, reference_check
 
     wanted = tuple(allow)
     unknown = [k for k in wanted if k not in KEEPS]
@@ -386,8 +386,12 @@ def fit(
     with StepCapture() as unplanned:
         step()
     saved.restore()
-    with applied(plan), StepCapture() as planned:
-        step()
-    saved.restore()
-    plan.numerics = compare(plan, unplanned.captured, planned.captured, where="step()")
+    if all(lever.keeps == "exact" for lever in plan.levers):
+        with applied(plan), StepCapture() as planned:
+            step()
+        saved.restore()
+        plan.numerics = compare(plan, unplanned.captured, planned.captured, where="step()")
+    else:
+        plan.numerics = reference_check(plan, unplanned)
+    unplanned.release()
     return plan

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -68,6 +68,9 @@ class StepCapture:
         self._params: dict[str, nn.Parameter] = {}
         self._handles: list[Any] = []
         self._root_names: dict[str, int] = {}
+        self.calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+        """Each model's first call (the module, its arguments): what a ``reference`` check replays.
+        Held until :meth:`release`."""
 
     def _name_root(self, module: nn.Module) -> str:
         base = type(module).__name__
@@ -92,6 +95,16 @@ class StepCapture:
             self._params[key] = p
             if self.values and p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(key)))
+
+    def _called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if any(m is module for m in self.models) and all(m is not module for m, _, _ in self.calls):
+            self.calls.append((module, tuple(args), dict(kwargs)))
+
+    def release(self) -> None:
+        """Let go of the program's models and arguments."""
+        self.calls.clear()
+        self.models.clear()
+        self.optimizers.clear()
 
     def _grad_hook(self, key: str) -> Any:
         def keep(p: torch.Tensor) -> None:
@@ -126,6 +139,7 @@ class StepCapture:
         self._stack.enter_context(register_optimizer_step_pre_hook(self._seen_optimizer))
         if self.values:
             self._stack.enter_context(self._losses())
+            self._stack.enter_context(register_module_forward_hook(self._called, with_kwargs=True))
         return self
 
     def _finish(self) -> None:
@@ -192,6 +206,55 @@ def compare(plan: Plan, unplanned: Captured, planned: Captured, *, where: str) -
     if any(v > 0 for v in differences.values()):
         return Numerics("fail", differences, note=f"{where}: not bit for bit ({counted})")
     return Numerics("pass", differences, note=f"{where}: bit for bit ({counted})")
+
+
+def reference_check(plan: Plan, capture: StepCapture) -> Numerics:
+    """A plan with a ``reference`` lever: :func:`memtrim.verify.verify_fix` on each model the run called
+    that the plan changes, with its first call's arguments — the loss (the output's ``.loss``) and
+    every parameter's gradient with and without the plan's levers, against the float64 oracle within
+    verify's rounding budget."""
+    from memtrim.plan.levers import LEVERS
+    from memtrim.verify.fix import verify_fix
+
+    uses: dict[str, list[dict[str, Any]]] = {}
+    for lever in plan.levers:
+        uses.setdefault(lever.lever, []).append(lever.params)
+
+    def fix(model: nn.Module) -> None:
+        for name, params in uses.items():
+            LEVERS[name].apply(model, params)
+
+    checked, notes = 0, []
+    differences: dict[str, float] = {}
+    for model, args, kwargs in capture.calls:
+        with _disable_current_modes():
+            probe = copy.deepcopy(model)
+        if not [u for name, params in uses.items() if (u := LEVERS[name].apply(probe, params))]:
+            continue  # not a model the plan changes
+        if args and kwargs:
+            return Numerics(
+                "not-run",
+                note=f"{type(model).__name__} was called with positional and keyword "
+                "arguments; check it with memtrim.verify_fix(model, fix, batch)",
+            )
+        try:
+            report = verify_fix(model, fix, kwargs or args, mode="reference")
+        except (TypeError, ValueError) as error:
+            return Numerics("not-run", note=f"{type(model).__name__}: {error}")
+        checked += 1
+        for case in report.cases:
+            for q in case.quantities:
+                key = {"output": "loss", "grad": "gradients"}.get(q.kind, "buffers")
+                differences[key] = max(differences.get(key, 0.0), _finite(q.max_abs_diff))
+                if q.budget_used is not None:
+                    used = differences.get("budget_used", 0.0)
+                    differences["budget_used"] = max(used, _finite(q.budget_used))
+        notes.append(f"{type(model).__name__}: {'passed' if report.passed else 'FAILED'}")
+        if not report.passed:
+            return Numerics("fail", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
+    if not checked:
+        return Numerics("not-run", note="no model the program called is one the plan's levers change")
+    return Numerics("pass", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
 
 
 def identical(a: Captured, b: Captured) -> bool:
