@@ -140,3 +140,31 @@ def test_the_numeric_check_starts_both_steps_from_one_state_and_puts_it_back() -
     # record, measure, then two checked steps from the state the measure left
     assert len(seen) == 4 and torch.equal(seen[2], seen[3]) and not torch.equal(seen[1], seen[2])
     assert torch.equal(next(model.parameters()), seen[2])
+
+
+def test_a_checkpoint_costs_what_flop_counter_counts_for_one_more_forward_of_the_block() -> None:
+    """The cost the search weighs, against torch.utils.flop_counter run on the block itself: matmuls
+    (the MLP block) and convolutions (a conv block with BatchNorm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(
+        *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(3)]
+    )
+    images = torch.randn(4, 8, 16, 16)
+    mlp, x = _setup()
+    for model, given, loss in ((mlp, x, lambda out: out), (conv, images, lambda out: out.square().mean())):
+        model(given)  # warm up
+        with memtrim.track() as trace:
+            loss(model(given)).backward()
+        model.zero_grad(set_to_none=True)
+        options = options_of(trace.analysis)
+        assert options
+        for option in options:
+            block = model.get_submodule(option.params["module"])
+            block_input = given if option.target.endswith("0") else None
+            if block_input is None:
+                continue  # the first block's input is the program's own tensor; the rest are alike
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                block(block_input)
+            assert option.cost == counter.get_total_flops() > 0, (option.target, option.cost)
