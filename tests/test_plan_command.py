@@ -145,3 +145,22 @@ def test_no_plan_fits_says_the_floor_in_one_paragraph_and_bad_input_is_one_line(
     ):
         bad = memtrim(*argv, cwd=tmp_path)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+
+
+def test_fit_of_a_region_records_its_entries_and_says_what_was_alive_before(tmp_path: Path) -> None:
+    head, loop = HONEST.split("for step in range(2):")
+    body = "".join(f"    {line}\n" for line in loop.strip("\n").splitlines())
+    looped = head + "import memtrim\nfor step in range(3):\n    with memtrim.region('step'):\n" + body
+    (tmp_path / "loop.py").write_text(looped)
+    done = memtrim(
+        "fit", "--budget", "2.5MiB", "--region", "step", "-o", "plan.json", "loop.py", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    plan = mt.load_plan(str(tmp_path / "plan.json"))
+    assert plan.measured_peak is not None and plan.measured_peak <= 2.5 * 2**20
+    # the parameters (4 blocks of two 64x512 weights and their biases), AdamW's two states of each and
+    # its 16 step counters (0-dim float32), the input x
+    params = 4 * (2 * 64 * 512 + 512 + 64) * 4
+    before = 3 * params + 16 * 4 + 256 * 64 * 4
+    assert f"{mt.units.format_bytes(before)} of tensors it used were alive before" in done.stdout
+    assert "3 loss(es)" in plan.numerics.note and plan.numerics.verdict == "pass"

@@ -54,10 +54,19 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     ]
 
 
-def render_plan(plan: Plan, found: Search) -> str:
-    """The plan as text: the levers in order, the Pareto front, the code without memtrim."""
+def render_plan(plan: Plan, found: Search, held_before: int = 0) -> str:
+    """The plan as text: the levers in order, the Pareto front, the code without memtrim.
+    ``held_before``: bytes the recording saw alive at its start, which its peaks do not count."""
     lines = [
         f"memtrim fit: budget {format_bytes(plan.budget)}; unplanned peak {format_bytes(plan.baseline_peak)}",
+    ]
+    if held_before:
+        lines.append(
+            "(peaks and budget count what the recorded code allocates: "
+            f"{format_bytes(held_before)} of tensors it used were alive before it started — parameters, "
+            "optimizer state — and come on top)"
+        )
+    lines += [
         "",
         f"plan: {len(plan.levers)} lever(s), predicted peak {format_bytes(plan.predicted_peak)}",
     ]
@@ -136,7 +145,8 @@ def fit_program(
         print(fitted.floor_text, file=stream)
         return NO_PLAN
     plan = fitted.plan
-    print(render_plan(plan, fitted.search), file=stream, flush=True)
+    held = analysis.known_at_start.get(analysis.peak.device or "", 0)
+    print(render_plan(plan, fitted.search, held), file=stream, flush=True)
     exact = all(lever.keeps == "exact" for lever in plan.levers)
     checked = None if exact else reference_check(plan, unplanned)
     unplanned.release()  # the first run's models go before the second run starts
