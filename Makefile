@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/doctor_fsdp.py
 	$(BIN)/python bench/doctor_tp.py
 	$(BIN)/python bench/doctor_ddp.py
+	$(BIN)/python bench/fit.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
