@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memtrim-installed
 
-.PHONY: demo test lint typecheck unit bench browser images clean
+.PHONY: demo test lint typecheck unit verify-paths bench browser images clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ typecheck: $(STAMP)
 unit: $(STAMP) browser
 	$(BIN)/python -m pytest
 
+# verify's rounding budgets must hold for torch's AVX2 and scalar kernels too, not only this CPU's best
+# path: the verify tests again under each (a CPU without AVX-512 or AVX2 runs the best it has).
+verify-paths: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_verify_*.py
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_verify_*.py
+
 # The HTML report is tested in headless Chromium (Debian's package). Installed when missing and when
 # this machine can (root and apt); otherwise the browser tests say why they are skipped.
 browser:
@@ -40,7 +46,7 @@ browser:
 images: $(STAMP) browser
 	$(BIN)/python docs/make_images.py
 
-test: lint typecheck unit
+test: lint typecheck unit verify-paths
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
@@ -53,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/doctor_fsdp.py
 	$(BIN)/python bench/doctor_tp.py
 	$(BIN)/python bench/doctor_ddp.py
+	$(BIN)/python bench/fit.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -107,9 +107,6 @@ def test_readme_stays_short() -> None:
     assert lines < README_MAX_LINES, f"README.md has {lines} lines; move detail into a guide under docs/"
 
 
-# Guides that arrive with sibling branches (the pytest plugin and trainer callbacks; the doctor's rules).
-# The exception goes once they are merged.
-ARRIVING = {"docs/rules.md", "docs/pytest-and-trainers.md"}
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -153,8 +150,6 @@ def test_relative_links_resolve(doc: Path) -> None:
             continue
         path, _, anchor = target.partition("#")
         resolved = (doc.parent / path).resolve() if path else doc
-        if str(resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved) in ARRIVING:
-            continue
         if not resolved.exists():
             broken.append(f"{doc.relative_to(ROOT)}:{number}: {target} (no such file)")
         elif anchor and resolved.suffix == ".md" and anchor not in github_slugs(resolved):

@@ -101,5 +101,70 @@ def test_memtrim_fit_records_plans_and_re_measures_a_step() -> None:
     model.zero_grad(set_to_none=True)
     assert plan.measured_peak is not None and plan.measured_peak <= plan.budget
     assert plan.baseline_peak == baseline
+    # the numeric check ran from one saved state: the loss and 16 gradients, bit for bit
+    assert plan.numerics.verdict == "pass", plan.numerics
+    assert "1 loss(es), 16 gradients" in plan.numerics.note
     with pytest.raises(memtrim.NoPlanFits, match="no plan fits"):
         memtrim.fit(lambda: _step(model, x), budget=baseline // 10)
+
+
+def test_the_numeric_check_starts_both_steps_from_one_state_and_puts_it_back() -> None:
+    """A step with an optimizer and dropout changes the weights and draws random numbers: the checked
+    runs must both start from the same state (else nothing would compare equal), and the check must leave
+    the model and optimizer as the measured run left them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Dropout(0.1), nn.ReLU(), nn.Linear(512, 64))
+    stack = Stack()
+    optimizer = torch.optim.AdamW([*model.parameters(), *stack.parameters()], lr=0.1)
+    x = torch.randn(256, 64)
+
+    def step() -> None:
+        stack(model(x)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with memtrim.track() as trace:
+        step()
+    budget = int(trace.peak_bytes * 0.97)
+    seen: list[torch.Tensor] = []
+    original_step = optimizer.step
+
+    def counted_step(*args: object, **kwargs: object) -> object:
+        seen.append(next(model.parameters()).detach().clone())
+        return original_step(*args, **kwargs)
+
+    optimizer.step = counted_step  # type: ignore[method-assign]
+    plan = memtrim.fit(step, budget=budget)
+    assert plan.levers and plan.numerics.verdict == "pass", plan.numerics
+    # record, measure, then two checked steps from the state the measure left
+    assert len(seen) == 4 and torch.equal(seen[2], seen[3]) and not torch.equal(seen[1], seen[2])
+    assert torch.equal(next(model.parameters()), seen[2])
+
+
+def test_a_checkpoint_costs_what_flop_counter_counts_for_one_more_forward_of_the_block() -> None:
+    """The cost the search weighs, against torch.utils.flop_counter run on the block itself: matmuls
+    (the MLP block) and convolutions (a conv block with BatchNorm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(
+        *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(3)]
+    )
+    images = torch.randn(4, 8, 16, 16)
+    mlp, x = _setup()
+    for model, given, loss in ((mlp, x, lambda out: out), (conv, images, lambda out: out.square().mean())):
+        model(given)  # warm up
+        with memtrim.track() as trace:
+            loss(model(given)).backward()
+        model.zero_grad(set_to_none=True)
+        options = options_of(trace.analysis)
+        assert options
+        for option in options:
+            block = model.get_submodule(option.params["module"])
+            block_input = given if option.target.endswith("0") else None
+            if block_input is None:
+                continue  # the first block's input is the program's own tensor; the rest are alike
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                block(block_input)
+            assert option.cost == counter.get_total_flops() > 0, (option.target, option.cost)

@@ -356,22 +356,42 @@ def fit(
     """The cheapest plan (levers of :mod:`memtrim.plan`) that brings ``step()``'s peak to ``budget``
     (``"24GiB"`` or bytes): ``step`` is recorded once, the levers' combinations are replayed on the
     recording, and the step is run again with the plan applied to measure it (``plan.measured_peak``).
+    Then the numeric check (``plan.numerics``): the models and optimizers the step used are saved with
+    the random generators, the step runs without and with the plan from that state, and the losses,
+    every parameter's gradient and every parameter after the step are compared; the state is put back
+    after each, so ``step()`` runs four times and the model is left as two steps leave it.
     Raises :class:`~memtrim.plan.fit.NoPlanFits` naming the floor when no combination fits."""
     from memtrim.doctor.diagnosis import KEEPS
     from memtrim.plan import parse_budget
     from memtrim.plan.apply import applied
     from memtrim.plan.fit import NoPlanFits, fit_analysis
+    from memtrim.plan.numerics import StateSnapshot, StepCapture, compare, reference_check
 
     wanted = tuple(allow)
     unknown = [k for k in wanted if k not in KEEPS]
     if unknown:
         raise ValueError(f"allow names what levers keep: one of {', '.join(KEEPS)}; got {unknown[0]!r}")
-    with track() as trace:
+    with StepCapture(values=False) as found, track() as trace:
         step()
     fitted = fit_analysis(trace.analysis, parse_budget(budget), frozenset(wanted))  # type: ignore[arg-type]
     if fitted.plan is None:
         raise NoPlanFits(fitted.floor_text)
-    with applied(fitted.plan), track() as measured:
+    plan = fitted.plan
+    with applied(plan), track() as measured:
         step()
-    fitted.plan.measured_peak = measured.peak_bytes
-    return fitted.plan
+    plan.measured_peak = measured.peak_bytes
+    # the numeric check: the same state and seed, once without and once with the plan; the models and
+    # optimizers are put back after each, so the step leaves them as the measured run did
+    saved = StateSnapshot(found.models, found.optimizers)
+    with StepCapture() as unplanned:
+        step()
+    saved.restore()
+    if all(lever.keeps == "exact" for lever in plan.levers):
+        with applied(plan), StepCapture() as planned:
+            step()
+        saved.restore()
+        plan.numerics = compare(plan, unplanned.captured, planned.captured, where="step()")
+    else:
+        plan.numerics = reference_check(plan, unplanned)
+    unplanned.release()
+    return plan

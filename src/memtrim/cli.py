@@ -269,28 +269,110 @@ def _per_rank(args: argparse.Namespace) -> tuple[int, int]:
     return rank, size
 
 
-def _run(args: argparse.Namespace) -> int:
-    _check_target(args)
-    rank, world_size = _per_rank(args)
-    if args.entry is not None and not args.region:
-        raise UsageError("--entry N picks an entry of --region NAME; give the region too")
-    _check_output("-o", args.output)
-    _check_views(args)
+def _record(args: argparse.Namespace, outcome: Outcome) -> Trace | None:
+    """Run the program once, recorded (only inside ``--region`` when given)."""
+    if args.region:
+        return _run_region(args, outcome)
+    with track(fake=args.fake) as trace:
+        _execute(args, outcome)
+        if outcome.failure is not None and not isinstance(outcome.failure, KeyboardInterrupt):
+            trace.log.error = f"{type(outcome.failure).__name__}: {outcome.failure}"
+    return trace
+
+
+def _set_program(args: argparse.Namespace) -> None:
+    """``sys.argv`` and ``sys.path`` as ``python script.py ARGS`` (or ``python -m``) would set them."""
     if args.module:
         sys.argv = [args.module, *args.args]
         sys.path.insert(0, os.getcwd())
     else:
         sys.argv = [args.script, *args.args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+
+
+def _read_plan(path: str) -> Any:
+    from memtrim.plan import PlanFormatError, load_plan
+
+    try:
+        return load_plan(path)
+    except FileNotFoundError as exc:
+        raise UsageError(f"no such plan file {path!r}; give a file written by memtrim fit -o") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except PlanFormatError as exc:
+        raise UsageError(f"{exc} (give a file written by memtrim fit -o or Plan.save)") from exc
+
+
+@contextlib.contextmanager
+def _plan_applied(path: str | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    from memtrim.plan.apply import applied
+
+    plan = _read_plan(path)
+    print(f"memtrim: running with the plan {path} ({len(plan.levers)} lever(s) applied)", file=sys.stderr)
+    with applied(plan):
+        yield
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from memtrim.plan import parse_budget
+    from memtrim.plan.command import fit_program
+
+    _check_target(args)
+    if args.budget is None:
+        raise UsageError("give the memory budget to fit: memtrim fit --budget 24GiB script.py")
+    try:
+        budget = parse_budget(args.budget)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    _check_output("-o", args.output)
+    _set_program(args)
+    args.fake, args.entry = False, None
+    started_in = os.getcwd()
+
+    def once() -> Any:
+        outcome = Outcome()
+        try:
+            trace = _record(args, outcome)
+        finally:
+            with contextlib.suppress(OSError):
+                os.chdir(started_in)
+        failed = outcome.failure is not None or outcome.status != 0
+        if outcome.failure is not None:
+            print_traceback(outcome.failure)
+        elif outcome.message is not None:
+            print(outcome.message, file=sys.stderr)
+        if isinstance(outcome.failure, KeyboardInterrupt):
+            raise outcome.failure
+        outcome.held.clear()
+        if failed:
+            print(
+                f"memtrim: the program ended with status {outcome.status or 1}; nothing to fit",
+                file=sys.stderr,
+            )
+            return None
+        return None if trace is None else trace.analysis
+
+    allow = frozenset({"exact", "reference", *args.allow})
+    return fit_program(once, budget, allow=allow, output=args.output)
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_target(args)
+    if args.plan is not None:
+        _read_plan(args.plan)  # a bad plan file is said before the program runs
+    rank, world_size = _per_rank(args)
+    if args.entry is not None and not args.region:
+        raise UsageError("--entry N picks an entry of --region NAME; give the region too")
+    _check_output("-o", args.output)
+    _check_views(args)
+    _set_program(args)
     outcome = Outcome()
     started_in = os.getcwd()  # -o and the views name paths from here, whatever the program's os.chdir
-    if args.region:
-        trace = _run_region(args, outcome)
-    else:
-        with track(fake=args.fake) as trace:
-            _execute(args, outcome)
-            if outcome.failure is not None and not isinstance(outcome.failure, KeyboardInterrupt):
-                trace.log.error = f"{type(outcome.failure).__name__}: {outcome.failure}"
+    with _plan_applied(args.plan):
+        trace = _record(args, outcome)
     with contextlib.suppress(OSError):  # back where the paths were given (unless that folder was removed)
         os.chdir(started_in)
     if outcome.failure is not None:
@@ -532,6 +614,10 @@ def _version() -> str:
 
 
 RUN_USAGE = "memtrim run [options] (SCRIPT | -m MODULE) [ARGS ...]"
+FIT_USAGE = (
+    "memtrim fit --budget BYTES [-o PLAN] [--region NAME] [--allow changes-training] "
+    "(SCRIPT | -m MODULE) [ARGS ...]"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,8 +648,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the peak as JSON instead of the report")
     run.add_argument("--top", type=rows, default=5, help="rows per table (default 5)")
+    run.add_argument("--plan", metavar="PLAN", help="apply a plan written by memtrim fit -o while it runs")
     _add_views(run)
     run.set_defaults(handler=_run, script=None, args=[])
+
+    fitting = sub.add_parser(
+        "fit",
+        usage=FIT_USAGE,
+        help="find the cheapest plan that fits a script into a memory budget, re-run and check it",
+        description="Record the script, search the levers for the cheapest plan whose predicted peak is "
+        "within the budget, print it with the code that does the same, run the script again with the plan "
+        "applied and print the measured peak and the numeric check. Exit status 0: within budget; 3: no "
+        "plan fits or the measured peak is over it; 1: the plan changed the numbers.",
+    )
+    fitting.add_argument("--budget", metavar="BYTES", help="the memory budget: 24GiB, 1500MiB, 8GB or bytes")
+    fitting.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
+    fitting.add_argument("-o", "--output", metavar="PLAN", help="write the plan (JSON, memtrim.plan/1)")
+    fitting.add_argument("--region", metavar="NAME", help="fit only what runs inside memtrim.region(NAME)")
+    fitting.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        choices=["changes-training"],
+        help="also use levers that change training (default: only exact and reference ones)",
+    )
+    fitting.set_defaults(handler=_fit, script=None, args=[])
 
     show = sub.add_parser(
         "show", help="report a saved trace (and write its views); several: the ranks of one job side by side"
@@ -603,10 +712,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_options(parser: argparse.ArgumentParser) -> set[str]:
-    """The options of ``run`` that take a value (so the script is the first word that is neither)."""
+def _run_options(parser: argparse.ArgumentParser, command: str = "run") -> set[str]:
+    """The options of ``command`` that take a value (so the script is the first word that is neither)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    run = sub.choices["run"]
+    run = sub.choices[command]
     return {flag for action in run._actions if action.nargs != 0 for flag in action.option_strings}
 
 
@@ -635,9 +744,9 @@ def split_run(argv: list[str], takes_value: set[str]) -> tuple[list[str], list[s
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
-    if words[:1] == ["run"]:
-        options, program = split_run(words[1:], _run_options(parser))
-        args = parser.parse_args(["run", *options])
+    if words[:1] in (["run"], ["fit"]):
+        options, program = split_run(words[1:], _run_options(parser, words[0]))
+        args = parser.parse_args([words[0], *options])
         if args.module:
             args.args = program
         else:

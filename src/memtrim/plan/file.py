@@ -88,6 +88,16 @@ class Plan:
     measured_peak: int | None = None
     numerics: Numerics = field(default_factory=lambda: Numerics("not-run"))
 
+    def code(self) -> str:
+        """The code a user would paste to get the same changes without :func:`memtrim.applied`: one
+        line per lever used, in plan order."""
+        from memtrim.plan.levers import LEVERS  # the levers import the doctor; a plan file does not need it
+
+        used: dict[str, list[dict[str, Any]]] = {}
+        for lever in self.levers:
+            used.setdefault(lever.lever, []).append(lever.params)
+        return "\n".join(LEVERS[name].code(params) for name, params in used.items())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,

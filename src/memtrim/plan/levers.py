@@ -8,13 +8,19 @@ options is predicted by replaying their merged edits together, never by summing 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from memtrim.analysis.whatif import Added, Edits
+from memtrim.doctor import diagnoses
 from memtrim.doctor.diagnosis import Keeps
 from memtrim.doctor.rules.checkpoint import block_recomputes
+from memtrim.fixes.checkpoint import checkpoint_modules
+from memtrim.fixes.hf_loss import chunked_loss
 from memtrim.registry import Registry
 
 if TYPE_CHECKING:
@@ -42,8 +48,14 @@ class Lever:
     name: str
     keeps: Keeps
     options: Callable[[Analysis], list[Option]]
-    code: Callable[[Sequence[Option]], str]
+    code: Callable[[Sequence[dict[str, Any]]], str]
+    """The code for a plan's uses of this lever, from their ``params`` (in plan order)."""
+    apply: Callable[[nn.Module, Sequence[dict[str, Any]]], Undo | None]
+    """Apply the plan's uses of this lever to a module the program calls for the first time (before
+    its forward runs); an undo, or None where the module is not what they name."""
 
+
+Undo = Callable[[], None]
 
 LEVERS: Registry[str, Lever] = Registry("plan lever", "memtrim.plan.levers.LEVERS.add(name, Lever(...))")
 
@@ -75,9 +87,97 @@ def _checkpoint_options(analysis: Analysis) -> list[Option]:
     return options
 
 
-def _checkpoint_code(options: Sequence[Option]) -> str:
-    names = [o.params["module"] for o in options]
-    return f"memtrim.fixes.checkpoint_modules(model, {names!r})"
+def _checkpoint_code(params: Sequence[dict[str, Any]]) -> str:
+    names = [p["module"] for p in params]
+    return f"memtrim.fixes.checkpoint_modules(model, {names!r})  # model: the module they are named in"
 
 
-LEVERS.add("checkpoint", Lever("checkpoint", "exact", _checkpoint_options, _checkpoint_code))
+def _checkpoint_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+    names = {p["module"] for p in params}
+    present = [name for name, _ in module.named_modules() if name in names]
+    return checkpoint_modules(module, present).undo if present else None
+
+
+LEVERS.add(
+    "checkpoint", Lever("checkpoint", "exact", _checkpoint_options, _checkpoint_code, _checkpoint_apply)
+)
+
+
+# -- use_cache=False (the doctor's cache-in-training finding) ---------------------------------------
+def _finding_root(module_path: str | None) -> str:
+    """The class of the outermost module of a recorded module path (``GPT2LMHeadModel#2.transformer``)."""
+    return (module_path or "").partition(".")[0].partition("#")[0]
+
+
+def _no_cache_options(analysis: Analysis) -> list[Option]:
+    return [
+        Option("use-cache-off", "config.use_cache", {}, "exact", 0.0, d.edits)
+        for d in diagnoses(analysis)
+        if d.rule == "cache-in-training"
+    ][:1]
+
+
+def _no_cache_code(params: Sequence[dict[str, Any]]) -> str:
+    return "model.config.use_cache = False  # or model(..., use_cache=False) in the training step"
+
+
+def _no_cache_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+    changed = [(c, c.use_cache) for c in configs.values() if getattr(c, "use_cache", None) is True]
+    for config, _ in changed:
+        config.use_cache = False
+
+    def undo() -> None:
+        for config, value in changed:
+            config.use_cache = value
+
+    return undo if changed else None
+
+
+LEVERS.add(
+    "use-cache-off", Lever("use-cache-off", "exact", _no_cache_options, _no_cache_code, _no_cache_apply)
+)
+
+
+# -- the chunked loss of a transformers causal LM (the doctor's logits-cross-entropy finding) ------
+_CHUNK = re.compile(r"chunked_loss\(model, chunk_size=(\d+)\)")
+
+
+def _chunked_loss_options(analysis: Analysis) -> list[Option]:
+    options = []
+    for d in diagnoses(analysis):
+        found = _CHUNK.search(d.code or "") if d.rule == "logits-cross-entropy" else None
+        root = _finding_root(d.module)
+        if found is None or not root:
+            continue  # not a transformers model's own loss: the fix is a rewrite of the user's line
+        params = {"model": root, "chunk_size": int(found.group(1))}
+        cost = _matmul_flops(d.cost)
+        options.append(Option("chunked-loss", root, params, "reference", cost, d.edits))
+    return options[:1]
+
+
+def _matmul_flops(cost: str | None) -> float:
+    # the finding states its recompute (one more lm_head matmul) only as text, to two digits: enough to
+    # rank it against a checkpoint's FLOPs
+    found = re.search(r"([0-9.e+-]+) GFLOP", cost or "")
+    return float(found.group(1)) * 1e9 if found else 0.0
+
+
+def _chunked_loss_code(params: Sequence[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"handle = memtrim.fixes.chunked_loss(model, chunk_size={p['chunk_size']})  # your {p['model']}"
+        for p in params
+    )
+
+
+def _chunked_loss_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+    for p in params:
+        if type(module).__name__ == p["model"] and getattr(module, "config", None) is not None:
+            return chunked_loss(module, chunk_size=p["chunk_size"]).remove
+    return None
+
+
+LEVERS.add(
+    "chunked-loss",
+    Lever("chunked-loss", "reference", _chunked_loss_options, _chunked_loss_code, _chunked_loss_apply),
+)

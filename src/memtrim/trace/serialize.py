@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 
+from memtrim.trace.invariants import check_invariants
 from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
 
 READABLE_SCHEMAS = ("memtrim.trace/1", SCHEMA)
@@ -288,13 +289,16 @@ def log_from_dict(data: Any) -> TraceLog:
             )
         )
     failed = get("failed_op")
+    failed_op = None if failed is None else op_from_row(failed, "failed_op")
+    end_tick = _int(get("end_tick"), "end_tick")
+    check_invariants(ops, allocations, regions, end_tick, failed_op, _fail)
     return TraceLog.of(
         allocations,
         ops,
-        end_tick=_int(get("end_tick"), "end_tick"),
+        end_tick=end_tick,
         fake=_bool(get("fake"), "fake"),
         error=_optional(_str, get("error"), "error"),
-        failed_op=None if failed is None else op_from_row(failed, "failed_op"),
+        failed_op=failed_op,
         cuda_max_allocated={
             _str(k, "cuda_max_allocated key"): _int(v, f"cuda_max_allocated[{k!r}]") for k, v in cuda.items()
         },

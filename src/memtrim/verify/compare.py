@@ -240,4 +240,39 @@ def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, la
     return f"{what}. The candidate is less accurate than the original (or wrong at a few elements)"
 
 
-__all__ = ["BudgetInputs", "check_meta", "compare_exact", "compare_reference", "same_bits", "same_values"]
+def row_extreme_hint(x: Any, indices: list[tuple[int, ...]], input_name: str) -> str | None:
+    """Where a gradient fails only at elements that are each the largest (or smallest) of their row of
+    the input, say so: a rewrite that subtracts the row max and adds it back (a manual logsumexp or
+    softmax) sends that element's gradient through ``amax``, where it comes out as ``1 - sum(softmax)``,
+    a difference of nearly equal terms that rounds at the scale of the row rather than of the element."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or not indices:
+        return None
+    if any(len(i) != x.dim() for i in indices):
+        return None
+    for dim in reversed(range(x.dim())):
+        if x.shape[dim] < 4:  # in a row of 2 or 3, being its max proves nothing
+            continue
+        extremes = ((x.amax(dim, keepdim=True), "largest"), (x.amin(dim, keepdim=True), "smallest"))
+        for extreme, word in extremes:
+            top = extreme.expand_as(x)
+            if all(bool(x[i] == top[i]) for i in indices):
+                many = f"each failing element shown ({len(indices)}) is"
+                shown = "the failing element is" if len(indices) == 1 else many
+                return (
+                    f"Where: {shown} the {word} of its row (dim {dim}) of {input_name}. A candidate that "
+                    "subtracts the row max and adds it back (a manual logsumexp or softmax) sends that "
+                    "element's gradient through amax, where it comes out as 1 - sum(softmax): a difference "
+                    "of nearly equal terms, rounded at the scale of the row rather than of the element"
+                )
+    return None
+
+
+__all__ = [
+    "BudgetInputs",
+    "check_meta",
+    "compare_exact",
+    "compare_reference",
+    "row_extreme_hint",
+    "same_bits",
+    "same_values",
+]

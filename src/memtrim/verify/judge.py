@@ -25,7 +25,13 @@ from memtrim.verify.cases import (
     leaf_names,
     upstream_like,
 )
-from memtrim.verify.compare import BudgetInputs, check_meta, compare_exact, compare_reference
+from memtrim.verify.compare import (
+    BudgetInputs,
+    check_meta,
+    compare_exact,
+    compare_reference,
+    row_extreme_hint,
+)
 from memtrim.verify.config import Settings
 from memtrim.verify.oracle import Oracle, OracleCache, Upstream, oracle_key, run_oracle
 from memtrim.verify.results import CaseResult, Failure, FailureKind, QuantityKind, RunResult
@@ -387,6 +393,11 @@ def _judge_reference(
         e = _get(oracle.e, field_, idx, o) if oracle.e is not None else None
         b = BudgetInputs(o, ora, s, e, oracle.source or "", case.dtype, case.autocast)
         q = compare_reference(name, kind, c, b, layout=case.layout)
+        if not q.passed and kind == "grad" and field_ == "grads":
+            leaf = inputs.leaves[inputs.diff_index[idx]]
+            hint = row_extreme_hint(leaf, [w["index"] for w in q.offending], name.removeprefix("grad of "))
+            if hint:
+                q.message += ". " + hint
         res.quantities.append(q)
         if not q.passed:
             fail(name, "mismatch", q.message, offending=q.offending)

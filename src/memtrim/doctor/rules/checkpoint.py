@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -117,6 +118,8 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
     row = flow.ops[seq]
     name = flow.names[seq]
     outs = flow.outputs[seq]
+    if name == "convolution" and len(outs) == 1 and len(row.inputs) >= 2:
+        return _convolution_flops(allocations[outs[0]].shape, allocations[row.inputs[1]].shape)
     if name not in ("mm", "addmm", "bmm", "baddbmm") or len(outs) != 1:
         return 0
     out = allocations[outs[0]].shape
@@ -132,6 +135,14 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
     if not lengths:
         return 0
     return _registry_flops(name, batch, m, n, min(lengths))
+
+
+def _convolution_flops(out: tuple[int, ...], weight: tuple[int, ...]) -> int:
+    """torch.utils.flop_counter's ``conv_flop_count`` for a (not transposed) convolution: every output
+    element is a dot product over the weight's ``in_channels / groups x kernel`` elements."""
+    if len(out) < 3 or len(weight) != len(out) or weight[0] != out[1]:
+        return 0
+    return 2 * math.prod(out) * math.prod(weight[1:])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -211,7 +222,7 @@ class BlockRecompute:
     changed: tuple[Allocation, ...]
     """The saved activations it frees after forward and makes again in backward."""
     flops: int
-    """Recompute cost: the matmul FLOPs of one more forward of the block."""
+    """Recompute cost: the matmul and convolution FLOPs of one more forward of the block."""
     transient: int
     """The most the block's own allocations held at once in its forward run (with the copies of the
     buffers it updates, which checkpoint_modules keeps during the recompute)."""
@@ -354,7 +365,8 @@ def checkpoint_candidates(analysis: Analysis) -> list[Diagnosis]:
             keeps="exact",
             module=container,
             cost=(
-                f"recompute: {flops / 1e9:.3g} GFLOP of matmuls (one more forward of every block)"
+                f"recompute: {flops / 1e9:.3g} GFLOP of matmuls and convolutions "
+                "(one more forward of every block)"
                 if flops
                 else "recompute: one more forward of every block"
             ),

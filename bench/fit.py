@@ -1,0 +1,252 @@
+"""memtrim.fit on tiny training programs at two budgets: the plan, predicted vs measured peak, cost, numerics.
+
+Each program is one AdamW training step (forward, backward, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``) after a warm-up step, so the optimizer state exists and the step is a
+steady one. Budgets are 70% and 45% of the step's unplanned peak (memtrim's headline: what the step
+allocates on top of what existed before it). For each:
+
+- plan: the levers ``memtrim.fit(step, budget)`` chose (or the floor, when none fits);
+- predicted: the peak the search replayed on the recording with the plan's levers;
+- measured: torch.profiler's CPU allocation events for one step run inside ``memtrim.applied(plan)``
+  (every block, also those an op makes and frees inside itself), peak above the step's start;
+- cost: the levers' extra work (recompute FLOPs); numerics: the plan's numeric check (``pass`` bit for
+  bit for exact levers; ``memtrim.verify_fix`` within its rounding budget for reference ones).
+
+Run: python bench/fit.py [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import memtrim
+from memtrim.units import format_bytes
+
+BUDGETS = (0.70, 0.45)
+Step = Callable[[], None]
+
+
+def profiled_peak(step: Step) -> int:
+    """Peak bytes above the start of ``step`` from torch.profiler's CPU allocation events."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            if node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            continue
+        stack.extend(node.children)
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def training_step(model: nn.Module, loss: Callable[[], torch.Tensor]) -> Step:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+# -- the programs -------------------------------------------------------------------------------------
+def _causal_lm(model: nn.Module, vocab: int) -> Step:
+    ids = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(0))
+    return training_step(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+
+def gpt2() -> Step:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=8192, n_positions=128, n_embd=128, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    return _causal_lm(transformers.GPT2LMHeadModel(config), 8192)
+
+
+def _decoder_config(cls: type, **extra: object) -> object:
+    return cls(
+        vocab_size=8192,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
+
+
+def llama() -> Step:
+    import transformers
+
+    return _causal_lm(transformers.LlamaForCausalLM(_decoder_config(transformers.LlamaConfig)), 8192)
+
+
+def qwen3() -> Step:
+    import transformers
+
+    config = _decoder_config(transformers.Qwen3Config, head_dim=32)
+    return _causal_lm(transformers.Qwen3ForCausalLM(config), 8192)
+
+
+def gemma2() -> Step:
+    import transformers
+
+    config = _decoder_config(transformers.Gemma2Config, head_dim=32, attn_implementation="eager")
+    return _causal_lm(transformers.Gemma2ForCausalLM(config), 8192)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def mlp() -> Step:
+    model = nn.Sequential(*[Residual(128, 512) for _ in range(6)], nn.Linear(128, 10))
+    x, y = torch.randn(2048, 128), torch.randint(0, 10, (2048,))
+    return training_step(model, lambda: nn.functional.cross_entropy(model(x), y))
+
+
+def conv_block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+def convnet() -> Step:
+    model = nn.Sequential(
+        conv_block(3, 32),
+        *[conv_block(32, 32) for _ in range(7)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    return training_step(model, lambda: nn.functional.cross_entropy(model(x), y))
+
+
+PROGRAMS: dict[str, Callable[[], Step]] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "qwen3": qwen3,
+    "gemma2": gemma2,
+    "mlp": mlp,
+    "convnet-bn": convnet,
+}
+
+
+# -- one row -----------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    program: str
+    share: float
+    budget: int
+    plan: str
+    predicted: int | None = None
+    measured: int | None = None
+    cost: float = 0.0
+    numerics: str = ""
+    seconds: float = 0.0
+
+    @property
+    def within(self) -> bool:
+        return self.measured is not None and self.measured <= self.budget
+
+    @property
+    def error(self) -> float | None:
+        if self.measured is None or self.predicted is None:
+            return None
+        return (self.predicted - self.measured) / self.measured
+
+
+def run(name: str, share: float) -> Row:
+    torch.manual_seed(0)
+    step = PROGRAMS[name]()
+    step()  # warm up: the optimizer state exists, the measured step is a steady one
+    with memtrim.track() as trace:
+        step()
+    budget = int(trace.peak_bytes * share)
+    started = time.perf_counter()
+    try:
+        plan = memtrim.fit(step, budget=budget)
+    except memtrim.NoPlanFits as floor:
+        text = str(floor)
+        lowest = text.split("lowest the allowed levers reach is ")[1].split(" ")[0:2]
+        return Row(name, share, budget, f"no plan fits (lowest {' '.join(lowest)})")
+    seconds = time.perf_counter() - started
+    with memtrim.applied(plan):
+        measured = profiled_peak(step)
+    levers: dict[str, int] = {}
+    for lever in plan.levers:
+        levers[lever.lever] = levers.get(lever.lever, 0) + 1
+    described = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in levers.items()) or "(nothing)"
+    cost = sum(lever.cost for lever in plan.levers)
+    return Row(
+        name, share, budget, described, plan.predicted_peak, measured, cost, plan.numerics.verdict, seconds
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(PROGRAMS), help="programs to run (default: all)")
+    args = parser.parse_args()
+    names = args.only or list(PROGRAMS)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"budgets {BUDGETS} of the unplanned peak"
+    )
+    header = (
+        f"{'program':<11} {'budget':>10}  {'plan':<34} {'predicted':>10} {'measured':>10} {'pred-meas':>9}"
+    )
+    print(header + f" {'fits':>4} {'cost FLOP':>9} {'numerics':>8} {'fit s':>5}")
+    rows = []
+    for name in names:
+        for share in BUDGETS:
+            row = run(name, share)
+            rows.append(row)
+            budget = f"{format_bytes(row.budget)}"
+            if row.measured is None:
+                print(f"{name:<11} {budget:>10}  {row.plan}")
+                continue
+            assert row.predicted is not None and row.error is not None
+            print(
+                f"{name:<11} {budget:>10}  {row.plan:<34} {format_bytes(row.predicted):>10} "
+                f"{format_bytes(row.measured):>10} {row.error * 100:>+8.1f}% "
+                f"{'yes' if row.within else 'NO':>4} "
+                f"{row.cost:>9.2g} {row.numerics:>8} {row.seconds:>5.1f}"
+            )
+    feasible = [r for r in rows if r.measured is not None]
+    within = sum(r.within for r in feasible)
+    close = sum(abs(r.error or 0) <= 0.05 for r in feasible)
+    passed = sum(r.numerics == "pass" for r in feasible)
+    print(
+        f"\n{len(feasible)} of {len(rows)} cases have a plan; measured within budget in {within}, prediction "
+        f"within 5% of measured in {close}, numerics pass in {passed}"
+    )
+
+
+if __name__ == "__main__":
+    main()
