@@ -1,10 +1,10 @@
-"""The manual runs: every code block marked runnable in README.md and docs/*.md is executed, and links resolve.
+"""The manual runs: every code block marked runnable in README.md and docs/*.md is executed; links resolve.
 
 Markers, each on the line just before a fenced block:
 
-- ``<!-- run -->`` before a ```` ```python ```` block runs it with this interpreter; before a ```` ```bash ````
-  block runs it with ``bash -e`` (the ``memtrim`` command on ``PATH``). Each block runs in a fresh temporary
-  folder, in its own process, with a timeout.
+- ``<!-- run -->`` before a ```` ```python ```` block runs it with this interpreter; before a
+  ```` ```bash ```` block runs it with ``bash -e`` (the ``memtrim`` command on ``PATH``). Each block runs
+  in a fresh temporary folder, in its own process, with a timeout.
 - ``<!-- file: NAME -->`` before a block writes it to ``NAME`` in that folder for every runnable block
   after it in the same file (``prog.py`` for a ``memtrim run prog.py`` block), so each block is
   self-contained: what it needs is written out again, never left over from another block.
@@ -53,7 +53,8 @@ def marked_blocks(doc: Path) -> list[Block]:
             continue
         fence = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
         if fence is None:
-            raise AssertionError(f"{doc.relative_to(ROOT)}:{i + 1}: a {line.strip()} marker must sit on the line just before a ``` fence")
+            where = f"{doc.relative_to(ROOT)}:{i + 1}"
+            raise AssertionError(f"{where}: a {line.strip()} marker must sit just before a ``` fence")
         try:
             end = next(j for j in range(i + 2, len(lines)) if lines[j].rstrip() == "```")
         except StopIteration:
