@@ -82,9 +82,12 @@ def _file_name(nodeid: str) -> str:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
-    budget = pyfuncitem.stash.get(_BUDGET, None)
-    wants_trace = FIXTURE in pyfuncitem.funcargs
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    # around the call phase, not pytest_pyfunc_call: a unittest.TestCase method (its setUp and tearDown
+    # inside) is recorded too, rather than its marker silently doing nothing
+    budget = item.stash.get(_BUDGET, None)
+    funcargs: dict[str, object] = getattr(item, "funcargs", {})
+    wants_trace = FIXTURE in funcargs
     if budget is None and not wants_trace:
         return (yield)
 
@@ -92,18 +95,18 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, o
     from memtrim.integrations.budget import Budget, failure_text
 
     budget = budget or Budget(peak=None)
-    folder = pyfuncitem.config.getoption("memtrim_dir")
+    folder = item.config.getoption("memtrim_dir")
     trace: memtrim.Trace | None = None
     try:
         with memtrim.track(fake=budget.fake) as trace:
             if wants_trace:
-                pyfuncitem.funcargs[FIXTURE] = trace
+                funcargs[FIXTURE] = trace
             result = yield
     finally:
         # also for a test that failed: its trace up to the failure is what CI should keep
         if folder and trace is not None:
             os.makedirs(folder, exist_ok=True)
-            name = os.path.join(folder, _file_name(pyfuncitem.nodeid))
+            name = os.path.join(folder, _file_name(item.nodeid))
             trace.save(name + ".json")
             trace.save_html(name + ".html")
     message = failure_text(budget, trace)

@@ -318,3 +318,27 @@ def test_a_run_without_the_marker_imports_neither_torch_nor_memtrim(pytester: py
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_a_unittest_method_is_limited_too(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_case="""
+        import unittest
+
+        import pytest
+        import torch
+
+        class Blocks(unittest.TestCase):
+            @pytest.mark.memtrim(peak="3 MiB")
+            def test_over(self):
+                a = torch.ones(1024, 1024)
+
+            @pytest.mark.memtrim(peak="5 MiB")
+            def test_under(self):
+                a = torch.ones(1024, 1024)
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    assert f"limited to 3 MiB ({3 * MiB:,} B) but reached 4 MiB ({4 * MiB:,} B)" in result.stdout.str()
+    assert "test_case.py:9 in test_over  aten.ones.default" in result.stdout.str()
