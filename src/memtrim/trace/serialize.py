@@ -8,7 +8,6 @@ program wants first: peak, live set, diagnoses); loading reads the raw log and i
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import secrets
@@ -17,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.invariants import check_invariants
 from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
 
@@ -574,20 +574,6 @@ def _prefix(value: Any, limit: int = 40) -> str:
 
 def _no_constants(name: str) -> Any:
     raise TraceFormatError(f"malformed memtrim trace: {name} is not a number a trace can hold")
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (back as it was after). Reading or writing a
-    large trace makes millions of objects and no cycles; each collection the allocations trigger walks
-    every live object, which took half the time of parsing a million-op trace."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def loads(text: str | bytes, source: str = "the trace") -> TraceLog:

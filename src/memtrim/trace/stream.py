@@ -14,13 +14,13 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import SCHEMA, Phase, Site, TraceLog
 from memtrim.trace.serialize import (
     OP_COLUMNS,
     _site_table,
     allocation_data,
     atomic_file,
-    collector_paused,
     failed_op_data,
 )
 
