@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 VerifyMode = Literal["exact", "reference"]
 Keeps = Literal["exact", "reference", "changes-training"]
 """What a fix keeps: ``exact`` (results and gradients bit for bit), ``reference`` (no less accurate than
-the original against a float64 reference: ``memtrim.verify(..., mode="reference")`` proves it), or
+the original against a float64 reference: ``memtrim.verify.verify(..., mode="reference")`` proves it), or
 ``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
 KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
 
