@@ -435,6 +435,12 @@ def test_optimizer_state_made_and_dropped_in_the_region_is_not_counted_as_a_remo
     assert state_bytes > finding.peak_before - finding.peak_after  # the state is not in the saving
     assert "alive at the peak" in finding.problem
     assert_fix_measures(finding, results["foreach"], results["fused"])
+    # nor is it listed among the largest temporaries: torch.optim.AdamW makes its state with zeros_like
+    analysis = results["foreach"].trace.analysis
+    listed = analysis.largest_temporaries(1000)
+    assert listed and all(a.op != "aten.zeros_like.default" for a in listed)
+    made_state = [a for a in analysis.allocations if a.op == "aten.zeros_like.default"]
+    assert sum(a.bytes for a in made_state) == state_bytes
 
 
 def test_gradients_zeroed_in_place_into_the_next_forward_suggest_set_to_none() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -263,7 +264,12 @@ class Analysis:
         return {phase: self.breakdown_at(tick) for phase, tick in self.phase_ends.items()}
 
     def largest_temporaries(self, n: int = 10) -> list[Allocation]:
-        return list(self.temporaries[: max(n, 0)])
+        """The ``n`` largest temporaries by role: made and freed in one phase, and not a parameter,
+        gradient or optimizer state made and freed with it (AdamW's state created in a first step and
+        dropped with the optimizer inside the region is state, whatever its lifetime)."""
+        roles = self.roles
+        found = (a for a in self.temporaries if roles[a.id] is Role.TEMPORARY)
+        return list(itertools.islice(found, max(n, 0)))
 
     def curve(self, device: str | None = None) -> LiveCurve:
         """The live curve of ``device`` (default: the headline peak's)."""
