@@ -88,10 +88,10 @@ def _accumulates(analysis: Analysis, grads: list[Allocation]) -> bool:
     for g in grads:
         made = flow.producer[g.id]
         for r in flow.readers[g.id]:
-            if r > made and ops[r].phase is Phase.BACKWARD and writes_in_place(ops[r].op):
-                later = [x for x in range(made, r) if ops[x].phase is not Phase.BACKWARD]
-                if later:
-                    return True
+            backward_write = r > made and ops[r].phase is Phase.BACKWARD and writes_in_place(ops[r].op)
+            # added into by a backward after another phase ran
+            if backward_write and any(ops[x].phase is not Phase.BACKWARD for x in range(made, r)):
+                return True
     return False
 
 
