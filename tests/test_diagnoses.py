@@ -33,7 +33,9 @@ def test_rules_are_a_registry() -> None:
         "broadcast-then-reduce",
         "out-of-place-chain",
         "checkpoint-candidates",
+        "eager-attention",
         "optimizer-step",
+        "optimizer-state",
         "fsdp-reshard-after-forward",
         "ddp-gradient-as-bucket-view",
     }

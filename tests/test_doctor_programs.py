@@ -534,4 +534,10 @@ def test_no_advice_for_clean_programs() -> None:
     }
     for name, program in programs.items():
         trace = measure(program, rng_states=1).trace
-        assert trace.diagnoses() == [], (name, [(d.rule, d.problem) for d in trace.diagnoses()])
+        found = trace.diagnoses()
+        if name == "mlp":
+            # any step that keeps every gradient until optimizer.step() can step in backward instead:
+            # the one lever left on a clean training step (tests/test_doctor_optimizer_state.py)
+            assert [(d.rule, "optimizer_in_backward" in d.fix) for d in found] == [("optimizer-state", True)]
+            continue
+        assert found == [], (name, [(d.rule, d.problem) for d in found])

@@ -9,6 +9,8 @@
   (``.logits`` is None when ``labels`` are passed); ``handle.remove()`` undoes it.
 - :func:`checkpoint_modules`: activation checkpointing on the modules named by a pattern
   (``"transformer.h.*"``), bit-exact, undoable.
+- :func:`optimizer_in_backward`: the optimizer's step run per parameter inside backward, each gradient
+  freed as soon as it is applied (bit for bit for per-parameter optimizers), undoable.
 """
 
 from memtrim.fixes.checkpoint import CheckpointHandle, checkpoint_modules, glob_to_regex
@@ -18,14 +20,17 @@ from memtrim.fixes.cross_entropy import (
     chunked_linear_cross_entropy,
 )
 from memtrim.fixes.hf_loss import ChunkedLossHandle, chunked_loss
+from memtrim.fixes.optimizer import OptimizerInBackwardHandle, optimizer_in_backward
 
 __all__ = [
     "CheckpointHandle",
     "ChunkedLossHandle",
+    "OptimizerInBackwardHandle",
     "auto_chunk_size",
     "causal_lm_cross_entropy",
     "checkpoint_modules",
     "chunked_linear_cross_entropy",
     "chunked_loss",
     "glob_to_regex",
+    "optimizer_in_backward",
 ]
