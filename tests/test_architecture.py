@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "fixes": LOWER,
     "plan": LOWER | {"fixes", "verify"},
 }
-TOP = {"api", "cases", "cli", "jupyter", "__init__", "__main__"}
+# integrations: a callback or plugin per framework (transformers, lightning, pytest), each imported only by
+# name or by pytest, never by ``import memtrim``
+TOP = {"api", "cases", "cli", "jupyter", "integrations", "__init__", "__main__"}
 
 
 def _stage(path: Path) -> str:
@@ -142,3 +144,18 @@ def test_numpy_is_not_needed_at_run_time() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "numpy":
                 offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: calls .numpy()")
     assert not offenders, "\n".join(offenders)
+
+
+def test_importing_memtrim_imports_no_framework_it_integrates_with() -> None:
+    # the integrations are optional extras: `import memtrim` (and its command) must work, and stay as
+    # fast, without them
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memtrim, memtrim.cli, memtrim.integrations, memtrim.integrations.step\n"
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'pytest')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -69,10 +69,20 @@ ALL_BLOCKS = [block for doc in MANUAL for block in marked_blocks(doc)]
 RUN_BLOCKS = [block for block in ALL_BLOCKS if block.file_name is None]
 
 
-def test_there_are_runnable_blocks() -> None:
-    # The collector must find what the manual marks; a marker typo would otherwise turn every check off.
-    assert len(RUN_BLOCKS) >= 8, [block.where for block in RUN_BLOCKS]
-    assert any(block.doc.name == "README.md" for block in RUN_BLOCKS)
+NEAR_MARKER = re.compile(r"^\s*<!--\s*(run|file)\b", re.IGNORECASE)
+
+
+def test_every_marker_is_spelled_so_the_collector_sees_it() -> None:
+    # A misspelt marker (``<!--run-->``, ``<!-- file:prog.py -->``) would silently turn its block's check off.
+    misspelt = [
+        f"{doc.relative_to(ROOT)}:{number}: {line.strip()}"
+        for doc in MANUAL
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), start=1)
+        if NEAR_MARKER.match(line) and not MARKER.match(line)
+    ]
+    fix = "write markers exactly as <!-- run --> or <!-- file: NAME -->:\n"
+    assert not misspelt, fix + "\n".join(misspelt)
+    assert any(block.doc.name == "README.md" for block in RUN_BLOCKS), "the README's quick starts must run"
 
 
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[block.where for block in RUN_BLOCKS])

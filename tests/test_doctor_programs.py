@@ -416,6 +416,28 @@ def test_optimizer_step_temporaries_at_the_peak_suggest_fused() -> None:
     assert findings(results["fused"].trace, "optimizer-step") == []
 
 
+def test_optimizer_state_made_and_dropped_in_the_region_is_not_counted_as_a_removable_temporary() -> None:
+    # The whole first step inside the region, the optimizer dropped at its end (a test body, a script's
+    # function): AdamW's state is made and freed in the optimizer phase like its temporaries, but a fused
+    # step still makes it, so the prediction must keep it.
+    x = torch.randn(8, 1024)
+
+    def run(kind: str) -> None:
+        torch.manual_seed(0)
+        net = _mlp()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, **{kind: True})
+        net(x).square().mean().backward()
+        opt.step()  # planted: first step
+
+    results = {kind: measure(lambda kind=kind: run(kind)) for kind in ("foreach", "fused")}
+    (finding,) = findings(results["foreach"].trace, "optimizer-step")
+    assert finding.site is not None and finding.site.line == line_of("planted: first step")
+    state_bytes = 2 * sum(p.numel() * 4 for p in _mlp().parameters())
+    assert state_bytes > finding.peak_before - finding.peak_after  # the state is not in the saving
+    assert "alive at the peak" in finding.problem
+    assert_fix_measures(finding, results["foreach"], results["fused"])
+
+
 def test_gradients_zeroed_in_place_into_the_next_forward_suggest_set_to_none() -> None:
     net, x = _mlp(), torch.randn(1024, 1024)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)

@@ -29,6 +29,7 @@ from memtrim.report.diff import render_text as render_diff_text
 from memtrim.report.diff import to_dict as diff_to_dict
 from memtrim.report.terminal import render
 from memtrim.trace import serialize, stream
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
 from memtrim.trace.ranks import rank_files
 
@@ -149,7 +150,8 @@ class Trace:
         from memtrim.report.files import write_text
         from memtrim.report.html import report_html
 
-        write_text(path, report_html(self.analysis))
+        with collector_paused():
+            write_text(path, report_html(self.analysis))
 
     def save_png(self, path: str) -> None:
         """Write the timeline as a PNG to ``path`` (needs matplotlib: ``pip install 'memtrim[plots]'``)."""

@@ -21,6 +21,7 @@ from memtrim.analysis.flow import Flow, build_flow
 from memtrim.analysis.roles import Role, role_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Allocation, OpCall, Phase, Site, TraceLog
 
 T = TypeVar("T")
@@ -300,7 +301,8 @@ class Analysis:
     @functools.cached_property
     def flow(self) -> Flow:
         """The data flow, indexed once: producer and readers of every allocation (diagnoses read it)."""
-        return build_flow(self.log)
+        with collector_paused():
+            return build_flow(self.log)
 
     @functools.cached_property
     def alive_ids_at_peak(self) -> frozenset[int]:
@@ -326,6 +328,11 @@ class Analysis:
 
 def analyze(log: TraceLog) -> Analysis:
     """Compute every derived figure of ``log`` once."""
+    with collector_paused():
+        return _analyze(log)
+
+
+def _analyze(log: TraceLog) -> Analysis:
     allocations = log.allocations
     categories = tuple(categorize(a) for a in allocations)
     roles = tuple(role_of(a, c) for a, c in zip(allocations, categories, strict=True))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from memtrim.analysis.whatif import Edits
 from memtrim.registry import Registry
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Allocation, Site
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 VerifyMode = Literal["exact", "reference"]
 Keeps = Literal["exact", "reference", "changes-training"]
 """What a fix keeps: ``exact`` (results and gradients bit for bit), ``reference`` (no less accurate than
-the original against a float64 reference: ``memtrim.verify(..., mode="reference")`` proves it), or
+the original against a float64 reference: ``memtrim.verify.verify(..., mode="reference")`` proves it), or
 ``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
 KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
 
@@ -162,7 +163,8 @@ def finding(
 
 def diagnose(analysis: Analysis) -> list[Diagnosis]:
     """Every rule's findings, largest saving first."""
-    findings = [d for rule in DIAGNOSES.values() for d in rule(analysis)]
+    with collector_paused():
+        findings = [d for rule in DIAGNOSES.values() for d in rule(analysis)]
     peak = analysis.peak.bytes
     return sorted((d for d in findings if d.peak_after < peak), key=lambda d: (d.peak_after, d.rule))
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from memtrim.analysis import Analysis
 from memtrim.report.files import write_bytes_atomically
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Allocation, shape_text
 
 PROTOCOL = 4
@@ -182,4 +183,5 @@ def dumps(analysis: Analysis) -> bytes:
 
 def save(analysis: Analysis, path: str) -> None:
     """Write the snapshot pickle to ``path`` atomically (open it at pytorch.org/memory_viz)."""
-    write_bytes_atomically(path, dumps(analysis))
+    with collector_paused():
+        write_bytes_atomically(path, dumps(analysis))

@@ -13,6 +13,7 @@ from typing import Any
 
 from memtrim.analysis import Analysis, Role
 from memtrim.report.files import write_text
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Phase, site_text
 
 PID = 1
@@ -119,4 +120,5 @@ def chrome_trace(analysis: Analysis) -> dict[str, Any]:
 
 def save(analysis: Analysis, path: str) -> None:
     """Write the Chrome trace JSON to ``path`` atomically (open it at ui.perfetto.dev)."""
-    write_text(path, json.dumps(chrome_trace(analysis), separators=(",", ":"), allow_nan=False))
+    with collector_paused():
+        write_text(path, json.dumps(chrome_trace(analysis), separators=(",", ":"), allow_nan=False))

@@ -11,28 +11,64 @@ permissions ``open()`` would give it, like :func:`~memtrim.trace.save`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
-from memtrim.trace.model import SCHEMA, Site, TraceLog
+from memtrim.trace.collector import collector_paused
+from memtrim.trace.model import SCHEMA, Phase, Site, TraceLog
 from memtrim.trace.serialize import (
     OP_COLUMNS,
     _site_table,
     allocation_data,
     atomic_file,
     failed_op_data,
-    op_row_data,
     scalars_data,
 )
 
 CHUNK = 4096
 """Rows encoded at a time."""
 
-_encode = json.JSONEncoder(allow_nan=False, separators=(", ", ": ")).encode
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(", ", ": "))
+_encode = _ENCODER.encode
 
 
 def _value(value: Any) -> str:
     return _encode(value)
+
+
+def _row_encoder() -> Callable[[Any], str]:
+    """``_encode`` for one row, without building a new C encoder per call (``JSONEncoder.encode`` does,
+    which was most of the cost of writing a million rows). The C encoder is CPython's internal
+    ``json.encoder.c_make_encoder``, called as ``JSONEncoder.iterencode`` calls it; where it is missing,
+    or disagrees with ``_encode`` on a sample row, every row goes through ``_encode``."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return _encode
+    try:
+        iterencode = make(
+            None,  # no circular-reference markers: rows are plain lists, numbers and strings
+            _ENCODER.default,
+            json.encoder.encode_basestring_ascii,
+            None,
+            ": ",
+            ", ",
+            False,
+            False,
+            False,  # allow_nan off, as in _ENCODER
+        )
+
+        def encode(value: Any) -> str:
+            return "".join(iterencode(value, 0))
+
+        sample = [0, 2**61, "aten.mm.default", Phase.FORWARD, None, 'é\n"', (1, 2), {"facts": [], "ok": True}]
+        if encode(sample) != _encode(sample):
+            return _encode
+    except Exception:  # an interpreter whose internal encoder takes other arguments
+        return _encode
+    return encode
+
+
+_encode_row = _row_encoder()
 
 
 def _rows(handle: IO[str], rows: Iterable[Any]) -> None:
@@ -40,8 +76,9 @@ def _rows(handle: IO[str], rows: Iterable[Any]) -> None:
     handle.write("[")
     chunk: list[str] = []
     first = True
+    encode = _encode_row
     for row in rows:
-        chunk.append(_encode(row))
+        chunk.append(encode(row))
         if len(chunk) == CHUNK:
             handle.write(("\n " if first else ",\n ") + ",\n ".join(chunk))
             chunk.clear()
@@ -56,9 +93,15 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     """Write ``{schema, <summary>, <raw log>}`` to ``handle`` as :func:`~memtrim.trace.dumps` would
     (same keys, same order, same values)."""
     sites, index = _site_table(log)
+    # Sites are shared objects (the recorder keeps one per frame and line): look them up by identity
+    # first, which skips hashing the dataclass; an equal but distinct object falls back to equality.
+    by_identity = {id(site): number for site, number in index.items()}
 
     def ref(site: Site | None) -> int | None:
-        return None if site is None else index[site]
+        if site is None:
+            return None
+        number = by_identity.get(id(site))
+        return index[site] if number is None else number
 
     head: dict[str, Any] = {"schema": SCHEMA, **(summary or {})}
     head.update(
@@ -75,7 +118,14 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     handle.write(',\n"sites": ')
     _rows(handle, ([s.file, s.line, s.function] for s in sites))
     handle.write(f',\n"op_columns": {_value(OP_COLUMNS)},\n"ops": ')
-    _rows(handle, (op_row_data(seq, row, ref) for seq, row in enumerate(log.ops.rows)))
+    # op_row_data's row as a tuple, the phase as its str-enum member: both encode to the same JSON
+    _rows(
+        handle,
+        (
+            (seq, tick, op, phase, ref(site), node, module, inputs)
+            for seq, (tick, op, phase, site, node, module, inputs) in enumerate(log.ops.rows)
+        ),
+    )
     handle.write(f',\n"failed_op": {_value(failed_op_data(log, ref))},\n"allocations": ')
     _rows(handle, (allocation_data(a, ref) for a in log.allocations))
     handle.write(',\n"regions": ')
@@ -87,5 +137,5 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
 
 def save(log: TraceLog, path: str, summary: Mapping[str, Any] | None = None) -> None:
     """Write the trace to ``path`` in bounded memory (see the module's docstring)."""
-    with atomic_file(path) as handle:
+    with collector_paused(), atomic_file(path) as handle:
         write(log, handle, summary)

@@ -1,4 +1,4 @@
-"""``memtrim.verify(reference, candidate, inputs)``: prove a memory rewrite safe."""
+"""``memtrim.verify.verify(reference, candidate, inputs)``: prove a memory rewrite safe."""
 
 from __future__ import annotations
 

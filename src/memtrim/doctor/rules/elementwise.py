@@ -149,7 +149,8 @@ def broadcast_then_reduce(analysis: Analysis) -> list[Diagnosis]:
                 "each operand",
                 f"its only reader is {reduce_op} (views aside), which is {BROADCAST_FACTOR}x or more smaller",
                 "autograd saved no product: the contraction keeps only operands and result",
-                "the contraction sums in another order: prove it with memtrim.verify(..., mode='reference')",
+                "the contraction sums in another order: prove it with "
+                "memtrim.verify.verify(..., mode='reference')",
             ),
             keeps="reference",
             module=product.module,
@@ -352,7 +353,7 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
                 "no result before the last is saved for backward, from before the region, or read later "
                 "(through a view either)",
                 "the in-place ops are the same ops on the same operands in the same order (IEEE + and * "
-                "commute): bit for bit equal, prove it with memtrim.verify(..., mode='exact')",
+                "commute): bit for bit equal, prove it with memtrim.verify.verify(..., mode='exact')",
             ),
             keeps="exact",
             module=first.module,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memtrim.analysis.categories import Category
+from memtrim.analysis.roles import Role
 from memtrim.analysis.whatif import Added, Edits
 from memtrim.doctor.diagnosis import DIAGNOSES, Diagnosis, finding
 from memtrim.doctor.rules.common import where, writes_in_place
@@ -26,9 +27,35 @@ def _step_temporaries(analysis: Analysis) -> dict[Site | None, list[Allocation]]
     found: dict[Site | None, list[Allocation]] = {}
     categories = analysis.categories
     for a in analysis.allocations:
-        if a.phase is Phase.OPTIMIZER and categories[a.id] is Category.TEMPORARY:
+        # made and freed inside the step, and not the optimizer's state: a step that creates its state
+        # (the first) and a program that drops the optimizer before the next op free the state in the
+        # optimizer phase too, and a fused step still makes it
+        if (
+            a.phase is Phase.OPTIMIZER
+            and categories[a.id] is Category.TEMPORARY
+            and analysis.role(a) is Role.TEMPORARY
+        ):
             found.setdefault(a.site, []).append(a)
     return found
+
+
+def _temporaries_problem(
+    analysis: Analysis, temps: list[Allocation], largest: Allocation, foreach: bool
+) -> str:
+    # Each figure is the figure of what it names: the temporaries of every step the trace holds are
+    # counted "in all"; the peak's share is those alive at the peak, which is what the fix removes from it.
+    alive = [t for t in temps if t.id in analysis.alive_ids_at_peak]
+    at_peak = (
+        f"{len(alive)} of them ({format_bytes(sum(t.bytes for t in alive))}) alive at the peak"
+        if alive
+        else "none of them alive at the peak"
+    )
+    return (
+        f"the optimizer step makes {len(temps)} temporaries "
+        f"({format_bytes(sum(t.bytes for t in temps))} in all, the largest {format_bytes(largest.bytes)}"
+        + (", all parameters' at once: foreach" if foreach else "")
+        + f"); {at_peak}"
+    )
 
 
 def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
@@ -78,12 +105,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
             analysis,
             rule="optimizer-step",
             site=site,
-            problem=(
-                f"the optimizer step makes {len(temps)} temporaries "
-                f"({format_bytes(sum(t.bytes for t in temps))}, the largest {format_bytes(largest.bytes)}"
-                + (", all parameters' at once: foreach" if foreach else "")
-                + ") at the peak"
-            ),
+            problem=_temporaries_problem(analysis, temps, largest, foreach),
             fix=fix,
             allocations=tuple(temps),
             edits=edits,
@@ -93,7 +115,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
                 if adam
                 else "the single-tensor step computes the same update one parameter at a time",
                 "the fused/single-tensor step rounds differently from foreach: prove it with "
-                "memtrim.verify(..., mode='reference')",
+                "memtrim.verify.verify(..., mode='reference')",
             ),
             keeps="reference",
             module=None,
@@ -187,7 +209,8 @@ def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
         safe_because=(
             "the step read each gradient, and nothing reads it again before the next backward writes it",
             "a gradient set to None is replaced by the next backward's, which the zeroed one was added "
-            "to: the same values (0 + g == g), bit for bit; prove it with memtrim.verify(..., mode='exact')",
+            "to: the same values (0 + g == g), bit for bit; prove it with "
+            "memtrim.verify.verify(..., mode='exact')",
         ),
         keeps="exact",
         sites=tuple(zeroed_sites or late_sites),
