@@ -62,8 +62,9 @@ def test_logits_cross_entropy_fires_at_the_loss_and_the_chunked_loss_measures_it
     assert [s.line for s in finding.sites] == [line_of("planted: loss"), line_of("planted: lm_head")]
     assert "memtrim.fixes.chunked_linear_cross_entropy(hidden, the [4096, 64] weight, target" in finding.fix
     assert f"[{TOKENS}, {WIDTH}] input" in finding.fix
-    # the four [tokens, vocab] buffers: logits, saved log-softmax, two gradients in backward
-    assert sorted(a.bytes for a in finding.allocations) == [TOKENS * VOCAB * 4] * 4
+    # the four [tokens, vocab] buffers: logits, saved log-softmax, two gradients in backward; and the
+    # scaled copy of hidden the matmul saved (the fix is handed hidden itself, the scale folded in)
+    assert sorted(a.bytes for a in finding.allocations) == [TOKENS * WIDTH * 4] + [TOKENS * VOCAB * 4] * 4
     grads = (hidden.grad, weight.grad)
     hidden.grad = weight.grad = None
 

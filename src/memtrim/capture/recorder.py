@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Callable, Iterator
@@ -34,7 +35,17 @@ from memtrim.capture.frames import (
     user_site,
 )
 from memtrim.capture.modules import modules_seen, modules_with_buffers, rename_roots
-from memtrim.trace.model import AllocationLog, AllocRow, Fact, FreeRow, OpRow, Phase, Site, TraceLog
+from memtrim.trace.model import (
+    SCALAR_OPS,
+    AllocationLog,
+    AllocRow,
+    Fact,
+    FreeRow,
+    OpRow,
+    Phase,
+    Site,
+    TraceLog,
+)
 
 _Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node
@@ -122,11 +133,13 @@ class _OpInfo:
 
     __slots__ = (
         "after",
+        "arg_names",
         "call",
         "func",
         "lifts",
         "name",
         "saves",
+        "scalars",
         "special",
         "writes",
         "written_args",
@@ -143,7 +156,10 @@ class _OpInfo:
         self.lifts = func in _LIFT_OPS
         # what a collective's arguments say about its buffers (memtrim.capture.distributed)
         self.after = distributed.AFTER_OPS.get(self.name)
-        self.special = self.lifts or self.after is not None
+        # the Python numbers of elementwise arithmetic (logits / 30.0): kept for the loss rule's fix text
+        self.scalars = self.name in SCALAR_OPS
+        self.arg_names = [arg.name for arg in func._schema.arguments] if self.scalars else []
+        self.special = self.lifts or self.after is not None or self.scalars
         self.written_args: list[int] = []
         self.written_kwargs: list[str] = []
         for i, arg in enumerate(func._schema.arguments):
@@ -401,11 +417,30 @@ class Recorder(DetachableMode):
     ) -> None:
         if info.lifts:
             self._record_lifted(out, seq, call_site)
+        if info.scalars:
+            self._record_scalars(info, args, kwargs, seq)
         if info.after is not None:
             self._call_site = call_site
             # reading what a collective's buffers are must never break the program
             with contextlib.suppress(Exception):
                 info.after(self, args, kwargs, out, seq)
+
+    def _record_scalars(self, info: _OpInfo, args: Any, kwargs: Any, seq: int) -> None:
+        """Keep the finite Python numbers among the op's arguments, by argument name (a bool, a
+        symbolic number or a non-finite one is not kept: a rule then sees no value and stays silent)."""
+        names = info.arg_names
+        found = [
+            (names[i] if i < len(names) else str(i), float(value))
+            for i, value in enumerate(args)
+            if type(value) in (int, float) and math.isfinite(value)
+        ]
+        found += [
+            (name, float(value))
+            for name, value in kwargs.items()
+            if type(value) in (int, float) and math.isfinite(value)
+        ]
+        if found:
+            self.trace.scalars[seq] = tuple(found)
 
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what

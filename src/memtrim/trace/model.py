@@ -22,6 +22,13 @@ from enum import Enum
 from typing import Any, NamedTuple, overload
 
 SCHEMA = "memtrim.trace/2"
+
+SCALAR_OPS = frozenset(
+    f"aten.{name}.{overload}"
+    for name in ("mul", "div", "add", "sub", "rsub")
+    for overload in ("Tensor", "Scalar")
+)
+"""The ops whose Python-number operands the recorder keeps (:attr:`TraceLog.scalars`)."""
 """What :func:`~memtrim.trace.save` writes. /2 adds allocation facts and regions to /1, which loads too."""
 
 
@@ -334,6 +341,10 @@ class TraceLog:
     """Free-form JSON facts about the run (rank, world size, torch version, ...)."""
     regions: list[Region] = field(default_factory=list)
     """Named spans marked inside the region, in the order opened."""
+    scalars: dict[int, tuple[tuple[str, float], ...]] = field(default_factory=dict)
+    """The finite Python numbers handed to elementwise arithmetic (``mul``, ``div``, ``add``, ``sub``,
+    ``rsub``; :data:`SCALAR_OPS`), by op number: ``(argument name, value)`` in argument order, so a
+    rule can restate ``logits / 30.0`` (``(("other", 30.0),)``)."""
     recorded: AllocationLog | None = None
     """Set by the recorder; read into :attr:`allocations`."""
     _allocations: list[Allocation] = field(default_factory=list, repr=False)

@@ -113,7 +113,13 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
         "failed_op": failed_op_data(log, ref),
         "allocations": [allocation_data(a, ref) for a in log.allocations],
         "regions": [[r.name, r.start_tick, r.end_tick] for r in log.regions],
+        "scalars": scalars_data(log),
     }
+
+
+def scalars_data(log: TraceLog) -> list[Any]:
+    """:attr:`TraceLog.scalars` as JSON rows ``[seq, [[argument name, value], ...]]``, in op order."""
+    return [[seq, [[name, value] for name, value in pairs]] for seq, pairs in sorted(log.scalars.items())]
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -447,6 +453,21 @@ def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
                 _optional(_int, row[2], where + " end_tick"),
             )
         )
+    scalars: dict[int, tuple[tuple[str, float], ...]] = {}
+    for i, row in enumerate(_list(data.get("scalars", []), "scalars")):
+        where = f"scalars[{i}]"
+        if not isinstance(row, list) or len(row) != 2:
+            raise _fail(where, "[op number, [[argument name, value], ...]]", row)
+        seq = _int(row[0], where + " op number")
+        if seq >= len(ops):
+            raise _fail(where + " op number", f"an op number below {len(ops)}", seq)
+        pairs = []
+        for j, pair in enumerate(_list(row[1], where + " arguments")):
+            at = f"{where} arguments[{j}]"
+            if not isinstance(pair, list) or len(pair) != 2 or type(pair[1]) not in (int, float):
+                raise _fail(at, "[argument name, number]", pair)
+            pairs.append((_str(pair[0], at + " name"), float(pair[1])))
+        scalars[seq] = tuple(pairs)
     failed = get("failed_op")
     failed_op = None if failed is None else op_from_row(failed, "failed_op")
     end_tick = _int(get("end_tick"), "end_tick")
@@ -463,6 +484,7 @@ def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
         },
         metadata=metadata,
         regions=regions,
+        scalars=scalars,
     )
 
 

@@ -22,6 +22,7 @@ from memtrim.trace.serialize import (
     allocation_data,
     atomic_file,
     failed_op_data,
+    scalars_data,
 )
 
 CHUNK = 4096
@@ -129,6 +130,8 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     _rows(handle, (allocation_data(a, ref) for a in log.allocations))
     handle.write(',\n"regions": ')
     _rows(handle, ([r.name, r.start_tick, r.end_tick] for r in log.regions))
+    handle.write(',\n"scalars": ')
+    _rows(handle, scalars_data(log))
     handle.write("\n}\n")
 
 

@@ -18,11 +18,11 @@ from memtrim.doctor.rules.common import (
     describe,
     dims,
     is_float,
-    is_view_like,
     module_expression,
     numel,
     where,
 )
+from memtrim.doctor.rules.logit_chain import LogitChain, fold, hidden_scales, only_feeds, walk_back
 from memtrim.trace.model import Allocation, OpRow, Phase, Site
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from memtrim.analysis.flow import Flow
 
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
-_COPIES = frozenset({"_to_copy", "clone", "contiguous", "to", "_unsafe_view"})
 _NLL = frozenset({"nll_loss_forward", "nll_loss2d_forward", "nll_loss_nd", "nll_loss"})
 _LOG_SOFTMAX = frozenset({"_log_softmax", "log_softmax"})
 VOCAB_FACTOR = 4
@@ -59,25 +58,6 @@ def chunk_size(tokens: int, vocab: int, hidden: int, dtype: str) -> int:
     return int(min(max(CHUNK_MULTIPLE, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE), tokens))
 
 
-def _source_through_copies(flow: Flow, allocations: list[Allocation], x: Allocation) -> list[Allocation]:
-    """``x``, then what it was copied from (an upcast, a ``.contiguous()``), back to the first buffer of
-    the same element count that no copy made."""
-    chain = [x]
-    while True:
-        row = flow.made_by(chain[-1])
-        if row is None or base_name(row.op) not in _COPIES or len(row.inputs) != 1:
-            return chain
-        source = allocations[row.inputs[0]]
-        if source.preexisting or numel(source) != numel(chain[-1]):
-            return chain
-        chain.append(source)
-
-
-def _only_read_by(flow: Flow, a: Allocation, allowed: set[int]) -> bool:
-    """Every op that read ``a`` is a view or one of ``allowed``."""
-    return all(seq in allowed or is_view_like(flow.ops[seq], flow.outputs[seq]) for seq in flow.readers[a.id])
-
-
 def _grads_in_backward(flow: Flow, allocations: list[Allocation], saved: Allocation, size: int) -> list[int]:
     """Backward buffers of ``size`` elements computed from ``saved`` (the saved log-softmax), then from
     those: the gradients of the logits, until an op makes something of another size (the matmul's)."""
@@ -102,7 +82,8 @@ class _Loss:
     """One cross-entropy on full logits, as the trace shows it."""
 
     chain: list[Allocation]
-    """What log-softmax read, back through its copies to the matmul's logits (last)."""
+    """What log-softmax read, back through its copies and elementwise steps to the matmul's logits
+    (last)."""
     log_probs: Allocation
     backward: list[Allocation]
     """The logits-sized gradients backward made from the saved log-softmax."""
@@ -110,6 +91,10 @@ class _Loss:
     matmul: OpRow
     weight: Allocation
     hidden: Allocation
+    """What the fix takes as ``hidden``: the matmul's operand, or what it was scaled from."""
+    steps: LogitChain
+    scaled: list[Allocation]
+    """The scaled copies of ``hidden`` the matmul read (none without a hidden scale)."""
 
     @property
     def logits(self) -> Allocation:
@@ -128,12 +113,17 @@ class _Loss:
         return numel(self.weight) // self.vocab
 
 
-def _losses(analysis: Analysis) -> dict[tuple[Site | None, Site | None], list[_Loss]]:
-    """Every forward log-softmax a nll_loss reads, whose input is (a copy of) a matmul's output with
-    a ``[vocab, width]`` weight, ``vocab >= 4 * width``, read by nothing but the loss; by lines."""
+_Key = tuple[Site | None, Site | None, float, float | None]
+
+
+def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
+    """Every forward log-softmax a nll_loss reads, whose input is a matmul's output with a ``[vocab,
+    width]`` weight, ``vocab >= 4 * width``, or made from one by copies and an elementwise chain the
+    chunked loss reproduces (:mod:`.logit_chain`), read by nothing but the loss; by lines and chain."""
     flow, allocations = analysis.flow, analysis.allocations
+    scalars = analysis.log.scalars
     ops = flow.ops
-    found: dict[tuple[Site | None, Site | None], list[_Loss]] = {}
+    found: dict[_Key, list[_Loss]] = {}
     for seq, row in enumerate(ops):
         if flow.names[seq] not in _LOG_SOFTMAX or row.phase is not Phase.FORWARD or not row.inputs:
             continue
@@ -142,7 +132,8 @@ def _losses(analysis: Analysis) -> dict[tuple[Site | None, Site | None], list[_L
             continue
         log_probs = allocations[made[0]]
         nll = [r for r in flow.readers[log_probs.id] if flow.names[r] in _NLL]
-        chain = _source_through_copies(flow, allocations, allocations[row.inputs[0]])
+        chain, step_ops = walk_back(flow, allocations, allocations[row.inputs[0]])
+        matmul_seq = flow.producer[chain[-1].id]
         matmul = flow.made_by(chain[-1])
         if not nll or matmul is None or base_name(matmul.op) not in _MATMULS:
             continue
@@ -152,14 +143,26 @@ def _losses(analysis: Analysis) -> dict[tuple[Site | None, Site | None], list[_L
         hidden = [a for a in operands if a not in weights and a.shape != (vocab,)]  # not the bias
         if len(weights) != 1 or len(hidden) != 1 or vocab < VOCAB_FACTOR * numel(weights[0]) // vocab:
             continue
-        copy_ops = {flow.producer[c.id] for c in chain[:-1]}
-        if not all(_only_read_by(flow, c, copy_ops | {seq}) for c in chain):
-            continue  # the logits are used for something besides the loss: they must exist
+        has_bias = base_name(matmul.op) in ("addmm", "baddbmm", "linear")
+        steps = fold(flow, allocations, scalars, chain, step_ops, has_bias)
+        source, scaled = hidden[0], list[Allocation]()
+        if steps is not None and steps.bias is None and not has_bias:
+            source, scaled, pre, hidden_steps = hidden_scales(
+                flow, allocations, scalars, hidden[0], matmul_seq
+            )
+            if scaled:
+                steps = fold(flow, allocations, scalars, chain, step_ops, has_bias, pre, hidden_steps)
+        if steps is None:
+            continue  # an op between the matmul and the loss that the chunked loss does not reproduce
         backward = [
             allocations[i] for i in _grads_in_backward(flow, allocations, log_probs, numel(log_probs))
         ]
-        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], hidden[0])
-        found.setdefault((log_probs.site, chain[-1].site), []).append(loss)
+        own = set(step_ops) | {seq} | {flow.producer[g.id] for g in backward}
+        if not all(only_feeds(flow, c, own) for c in chain):
+            continue  # the logits are used for something besides the loss: they must exist
+        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled)
+        key = (log_probs.site, chain[-1].site, steps.logit_scale, steps.softcap)
+        found.setdefault(key, []).append(loss)
     return found
 
 
@@ -169,8 +172,11 @@ def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], E
     between the two, and for fp16/bf16 the fp32 weight gradient during backward."""
     removed: list[Allocation] = []
     added: list[Added] = []
+    free_at: dict[int, float | None] = {}
     for loss in losses:
-        removed += [*loss.chain, loss.log_probs, *loss.backward]
+        removed += [*loss.chain, loss.log_probs, *loss.backward, *loss.scaled]
+        if loss.scaled:  # the fix is handed the unscaled hidden states: they live as long as the copy did
+            _keep_until(free_at, loss.hidden, loss.scaled[0].free_tick)
         tile = chunk * loss.vocab * bytes_per_logit(loss.logits.dtype)
         start = loss.logits.alloc_tick
         added.append(Added(tile, start, loss.nll.tick + 0.5))
@@ -183,78 +189,141 @@ def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], E
         added.append(Added(loss.tokens * 4, start, end))
         if loss.logits.dtype in HALF:
             added.append(Added(4 * numel(loss.weight), begin, end))
-    return removed, Edits(remove=frozenset(a.id for a in removed), add=tuple(added))
+        if loss.steps.softcap is not None:  # the softcap's derivative, a second tile in backward
+            accumulate = 4 if loss.logits.dtype in HALF else ITEMSIZE.get(loss.logits.dtype, 4)
+            added.append(Added(chunk * loss.vocab * accumulate, begin, end))
+    for a in removed:
+        free_at.pop(a.id, None)
+    return removed, Edits(remove=frozenset(a.id for a in removed), free_at=free_at, add=tuple(added))
 
 
 @DIAGNOSES.register("logits-cross-entropy")
 def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
     """``[tokens, vocab]`` logits from a matmul (the lm_head), read only by a log-softmax that a
-    ``nll_loss`` reads (``F.cross_entropy``), with or without an upcast copy between -> a chunked
-    linear + cross-entropy that never holds the logits (``memtrim.fixes.chunked_linear_cross_entropy``)."""
+    ``nll_loss`` reads (``F.cross_entropy``), with copies (an upcast) and an elementwise chain the
+    chunked loss reproduces between (a softcap, a temperature, a scale, a bias: :mod:`.logit_chain`)
+    -> a chunked linear + cross-entropy that never holds the logits: ``memtrim.fixes.chunked_loss(model)``
+    for a transformers model's own loss, ``memtrim.fixes.chunked_linear_cross_entropy`` otherwise."""
     results = []
     for losses in _losses(analysis).values():
         first = losses[0]
         tokens, vocab, width = first.tokens, first.vocab, first.width
+        chain = first.steps
         chunk = chunk_size(tokens, vocab, width, first.logits.dtype)
         removed, edits = _chunked_edits(losses, chunk)
         weight = module_expression(first.logits.module, "weight") or f"the {dims(first.weight.shape)} weight"
-        bias = (
-            ", bias=<the layer's bias>"
-            if base_name(first.matmul.op) in ("addmm", "baddbmm", "linear")
-            else ""
-        )
-        upcast = " and its upcast" if len(first.chain) > 1 else ""
+        bias = ""
+        if base_name(first.matmul.op) in ("addmm", "baddbmm", "linear"):
+            bias = ", bias=<the layer's bias>"
+        elif chain.bias is not None:
+            bias = f", bias=<the {dims(chain.bias.shape)} bias added at {where(first.chain[-2].site)}>"
+        upcast = " and its upcast" if any(s.endswith(" copy") for s in chain.steps) else ""
+        between = _chain_text(chain)
         buffers = len(first.chain) + 1 + len(first.backward)
+        hidden = f"the [{tokens}, {width}] input of {where(first.logits.site)}"
+        if first.scaled:
+            scales = ", ".join(chain.hidden_steps)
+            hidden = f"the [{tokens}, {width}] input of the {scales} at {where(first.scaled[-1].site)}"
         fix = (
-            f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}, "
-            f"chunk_size={chunk}), hidden the [{tokens}, {width}] input of {where(first.logits.site)}, "
-            f"target the [{tokens}] labels"
+            f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}"
+            f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, target the [{tokens}] labels"
         )
         code: str | None = None
         binds: tuple[tuple[str, str], ...] = ()
+        note = (
+            f"pass the ignore_index and reduction your loss uses; the what-if replaces the {tokens}x{vocab} "
+            f"buffers with one [{chunk}, {vocab}] tile in forward and one in backward"
+            + (" (two with the softcap)" if chain.softcap is not None else "")
+        )
         if _in_transformers_loss(first.log_probs.site):
-            # the model's own loss (ForCausalLMLoss: labels shifted, -100 ignored, fp32): patch the model
-            # so that model(..., labels=labels).loss is that loss, chunked; the user keeps their forward
-            fix = (
-                f"memtrim.fixes.chunked_loss(model, chunk_size={chunk}): model(..., labels=labels).loss is "
-                "the model's own loss (labels shifted, -100 ignored, fp32 as ForCausalLMLoss) without the "
-                "logits (.logits is None when labels are passed)"
-            )
-            code = f"import memtrim.fixes\nhandle = memtrim.fixes.chunked_loss(model, chunk_size={chunk})"
-            root = first.log_probs.module or first.logits.module or ""
-            binds = (("model", called_object(analysis, root) if root else "your transformers causal LM"),)
+            if chain.logit_scale == 1.0 and chain.bias is None:
+                # the model's own loss (ForCausalLMLoss: labels shifted, -100 ignored, fp32): patch the
+                # model so that model(..., labels=labels).loss is that loss, chunked
+                softcap = (
+                    f", the softcap {chain.softcap!r} from config.final_logit_softcapping applied per tile"
+                    if chain.softcap is not None
+                    else ""
+                )
+                fix = (
+                    f"memtrim.fixes.chunked_loss(model, chunk_size={chunk}): model(..., labels=labels).loss "
+                    "is the model's own loss (labels shifted, -100 ignored, fp32 as ForCausalLMLoss"
+                    f"{softcap}) without the logits (.logits is None when labels are passed)"
+                )
+                code = f"import memtrim.fixes\nhandle = memtrim.fixes.chunked_loss(model, chunk_size={chunk})"
+                root = first.log_probs.module or first.logits.module or ""
+                binds = (("model", called_object(analysis, root) if root else "your transformers causal LM"),)
+            else:
+                # chunked_loss(model) applies no logit scale nor bias of its own: the function form
+                fix = (
+                    f"loss = memtrim.fixes.causal_lm_cross_entropy(hidden, {weight}, labels{bias}"
+                    f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, labels the model's labels "
+                    "(shifted inside, as ForCausalLMLoss does)"
+                )
+                note += "; chunked_loss(model) would drop the scale between the lm_head and the loss"
+        problem = f"{dims((tokens, vocab))} {first.logits.dtype} logits{upcast}{between} feed cross_entropy"
         diagnosis = finding(
             analysis,
             rule="logits-cross-entropy",
             code=code,
             binds=binds,
             site=first.log_probs.site,
-            problem=(
-                f"{dims((tokens, vocab))} {first.logits.dtype} logits{upcast} feed cross_entropy: "
-                f"{buffers} buffers of {tokens}x{vocab} live for the loss"
-            ),
+            problem=f"{problem}: {buffers} buffers of {tokens}x{vocab} live for the loss",
             fix=fix,
             allocations=tuple(removed),
             edits=edits,
             safe_because=(
                 f"the logits come from {first.matmul.op} of a [{tokens}, {width}] input and a "
                 f"{dims(first.weight.shape)} weight at {where(first.logits.site)}",
-                "nothing reads them but the loss (a log_softmax read by nll_loss), its copies and views",
+                "nothing reads them but the loss (a log_softmax read by nll_loss), its copies and views"
+                + (", and the elementwise steps between" if chain.arithmetic else ""),
+                *_chain_reasons(chain),
                 "the chunked loss computes the same log-softmax per chunk (fp32 for fp16/bf16) and "
-                "recomputes each chunk's logits in backward: prove it with memtrim.verify(..., "
+                "recomputes each chunk's logits in backward: prove it with memtrim.verify.verify(..., "
                 "mode='reference')",
             ),
             keeps="reference",
             module=first.log_probs.module,
-            sites=(first.logits.site,),
+            sites=(
+                first.logits.site,
+                *(a.site for a in reversed(first.chain[:-1])),
+                *(a.site for a in first.scaled),
+            ),
             cost=f"one more [{tokens}, {width}] x [{width}, {vocab}] matmul in backward (the logits, "
             f"recomputed chunk by chunk): {2 * tokens * width * vocab / 1e9:.2g} GFLOP",
-            note=f"pass the ignore_index and reduction your loss uses; the what-if replaces the "
-            f"{tokens}x{vocab} buffers with one [{chunk}, {vocab}] tile in forward and one in backward",
+            note=note,
         )
         if diagnosis is not None:
             results.append(diagnosis)
     return results
+
+
+def _chain_text(chain: LogitChain) -> str:
+    """``, softcapped (/ 30.0, tanh, * 30.0)``: the elementwise steps as the problem names them."""
+    steps = (*chain.hidden_steps, *chain.arithmetic)
+    if not steps:
+        return ""
+    if chain.softcap is not None:
+        kind = "softcapped"
+    elif any(s[0] in "*/" or s == "-" for s in steps):
+        kind = "scaled"
+    else:
+        kind = "with a bias" if steps == ("+ bias",) else "shifted"
+    return f", {kind} ({', '.join(steps)}),"
+
+
+def _chain_reasons(chain: LogitChain) -> tuple[str, ...]:
+    if not (chain.hidden_steps or chain.arithmetic):
+        return ()
+    parts = []
+    if chain.hidden_steps:
+        parts.append(f"{', '.join(chain.hidden_steps)} on the hidden states before the matmul")
+    if chain.arithmetic:
+        parts.append(f"{', '.join(chain.arithmetic)} on the matmul's output z")
+    form = "softcap * tanh(logit_scale * z / softcap)" if chain.softcap is not None else "z * logit_scale"
+    if chain.bias is not None:
+        form = form.replace("z", "(z + bias)")
+    shift = " (a number added to every logit leaves the softmax unchanged)" if chain.shifted else ""
+    return (f"{' and '.join(parts)}: {form} with{chain.arguments.lstrip(',') or ' logit_scale=1.0'}{shift}",)
 
 
 def _in_transformers_loss(site: Site | None) -> bool:
