@@ -418,7 +418,9 @@ class Recorder(DetachableMode):
         if info.lifts:
             self._record_lifted(out, seq, call_site)
         if info.scalars:
-            self._record_scalars(info, args, kwargs, seq)
+            # a number Python cannot make a float of (an int of 400 digits) must never break the program
+            with contextlib.suppress(OverflowError, ValueError, TypeError):
+                self._record_scalars(info, args, kwargs, seq)
         if info.after is not None:
             self._call_site = call_site
             # reading what a collective's buffers are must never break the program
