@@ -18,8 +18,7 @@ import importlib
 import logging
 from typing import Any
 
-from memtrim.api import Trace
-from memtrim.integrations.step import StepFiles, StepRecording
+from memtrim.integrations.step import RecordedStep, StepRecording
 
 
 def _callback_classes() -> tuple[type, ...]:
@@ -43,7 +42,7 @@ _Callback = _callback_classes()
 logger = logging.getLogger(_Callback[0].__module__.partition(".callbacks")[0] + ".memtrim")
 
 
-class MemtrimCallback(*_Callback):  # type: ignore[misc]
+class MemtrimCallback(RecordedStep, *_Callback):  # type: ignore[misc]
     """Record training step ``step`` (1 is the first; ``trainer.global_step`` is the steps done) and
     write ``memtrim-step{step}.json`` (the trace), ``.html`` (the report) and ``.findings.json`` (the
     doctor's findings) to ``output_dir``.
@@ -58,18 +57,6 @@ class MemtrimCallback(*_Callback):  # type: ignore[misc]
     def __init__(self, step: int = 1, output_dir: str = "memtrim") -> None:
         super().__init__()
         self._recording = StepRecording(step, output_dir)
-
-    @property
-    def step(self) -> int:
-        return self._recording.step
-
-    @property
-    def trace(self) -> Trace | None:
-        return self._recording.trace
-
-    @property
-    def files(self) -> StepFiles | None:
-        return self._recording.files
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step + 1 == self.step and trainer.is_global_zero:

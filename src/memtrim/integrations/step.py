@@ -117,3 +117,21 @@ class StepRecording:
             )
         out.append(f"memtrim: wrote {self.files.trace}, {self.files.html}, {self.files.findings}")
         return out
+
+
+class RecordedStep:
+    """What every trainer callback shows of its :class:`StepRecording` (kept in ``self._recording``)."""
+
+    _recording: StepRecording
+
+    @property
+    def step(self) -> int:
+        return self._recording.step
+
+    @property
+    def trace(self) -> Trace | None:
+        return self._recording.trace
+
+    @property
+    def files(self) -> StepFiles | None:
+        return self._recording.files

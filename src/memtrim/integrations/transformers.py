@@ -17,14 +17,13 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging
 
-from memtrim.api import Trace
-from memtrim.integrations.step import StepFiles, StepRecording
+from memtrim.integrations.step import RecordedStep, StepRecording
 
 # the Trainer's own logger: its lines obey TrainingArguments(log_level=...), as the Trainer's do
 logger = logging.get_logger("transformers.trainer")
 
 
-class MemtrimCallback(TrainerCallback):
+class MemtrimCallback(RecordedStep, TrainerCallback):
     """Record training step ``step`` (1 is the first, as ``TrainerState.global_step`` counts) of
     ``Trainer.train()`` and write ``memtrim-step{step}.json`` (the trace), ``.html`` (the report) and
     ``.findings.json`` (the doctor's findings) to ``output_dir``.
@@ -37,18 +36,6 @@ class MemtrimCallback(TrainerCallback):
 
     def __init__(self, step: int = 1, output_dir: str = "memtrim") -> None:
         self._recording = StepRecording(step, output_dir)
-
-    @property
-    def step(self) -> int:
-        return self._recording.step
-
-    @property
-    def trace(self) -> Trace | None:
-        return self._recording.trace
-
-    @property
-    def files(self) -> StepFiles | None:
-        return self._recording.files
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
