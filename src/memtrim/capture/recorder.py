@@ -159,7 +159,7 @@ class _OpInfo:
         # the Python numbers of elementwise arithmetic (logits / 30.0): kept for the loss rule's fix text
         self.scalars = self.name in SCALAR_OPS
         self.arg_names = [arg.name for arg in func._schema.arguments] if self.scalars else []
-        self.special = self.lifts or self.after is not None or self.scalars
+        self.special = self.lifts or self.after is not None
         self.written_args: list[int] = []
         self.written_kwargs: list[str] = []
         for i, arg in enumerate(func._schema.arguments):
@@ -345,6 +345,8 @@ class Recorder(DetachableMode):
             self._record_resizes(written, seq, call_site)
         if info.special:
             self._after_special(info, args, kwargs, out, seq, call_site)
+        elif info.scalars:
+            self._record_scalars(info, args, kwargs, seq)
 
         # Autograd gives the outputs a node after this returns; it is stamped at the next op. One
         # output is enough: the differentiable outputs of an op share their node. Inside a custom
@@ -417,10 +419,6 @@ class Recorder(DetachableMode):
     ) -> None:
         if info.lifts:
             self._record_lifted(out, seq, call_site)
-        if info.scalars:
-            # a number Python cannot make a float of (an int of 400 digits) must never break the program
-            with contextlib.suppress(OverflowError, ValueError, TypeError):
-                self._record_scalars(info, args, kwargs, seq)
         if info.after is not None:
             self._call_site = call_site
             # reading what a collective's buffers are must never break the program
@@ -430,19 +428,31 @@ class Recorder(DetachableMode):
     def _record_scalars(self, info: _OpInfo, args: Any, kwargs: Any, seq: int) -> None:
         """Keep the finite Python numbers among the op's arguments, by argument name (a bool, a
         symbolic number or a non-finite one is not kept: a rule then sees no value and stays silent)."""
-        names = info.arg_names
-        found = [
-            (names[i] if i < len(names) else str(i), float(value))
-            for i, value in enumerate(args)
-            if type(value) in (int, float) and math.isfinite(value)
-        ]
-        found += [
-            (name, float(value))
-            for name, value in kwargs.items()
-            if type(value) in (int, float) and math.isfinite(value)
-        ]
-        if found:
-            self.trace.scalars[seq] = tuple(found)
+        # on the per-op path of every add and mul: a tensor-tensor call costs one type check per argument
+        found = None
+        for i, value in enumerate(args):
+            kind = type(value)
+            if kind is float or kind is int:
+                names = info.arg_names
+                found = found or []
+                found.append((names[i] if i < len(names) else str(i), value))
+        for name, value in kwargs.items() if kwargs else ():
+            kind = type(value)
+            if kind is float or kind is int:
+                found = found or []
+                found.append((name, value))
+        if found is None:
+            return
+        kept = []
+        for name, value in found:
+            try:
+                number = float(value)
+            except OverflowError:  # an int Python cannot make a float of must never break the program
+                continue
+            if math.isfinite(number):
+                kept.append((name, number))
+        if kept:
+            self.trace.scalars[seq] = tuple(kept)
 
     def _record_lifted(self, out: Any, seq: int, call_site: Site | None) -> None:
         # lift_fresh returns its input; under FakeTensorMode, the input's fake twin: the output is what
