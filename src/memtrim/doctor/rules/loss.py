@@ -447,7 +447,7 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
             safe_because=(
                 f"{up.op} widens {source.dtype} to {up.dtype}, element for element",
                 "every float operand of the ops after it is narrow, a scalar, or itself widened by it",
-                f"results change (arithmetic in {source.dtype}): check with memtrim.verify(..., "
+                f"results change (arithmetic in {source.dtype}): check with memtrim.verify.verify(..., "
                 "mode='reference') that they are no less accurate than you need",
             ),
             keeps="reference",
