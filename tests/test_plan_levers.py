@@ -94,3 +94,38 @@ def test_fit_uses_the_chunked_loss_and_proves_it_with_verify_fix() -> None:
     assert "forward" not in model.__dict__  # the patched forward is undone
     assert plan.numerics.verdict == "pass" and "verify_fix" in plan.numerics.note, plan.numerics
     assert 0 < plan.numerics.max_differences["budget_used"] <= 1
+
+
+def test_fit_switches_a_transformers_model_to_sdpa_and_proves_it_with_verify_fix() -> None:
+    seq = 256
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=seq, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    with memtrim.track() as trace:
+        step()
+    (sdpa,) = [o for o in options_of(trace.analysis) if o.lever == "sdpa-attention"]
+    assert sdpa.target == "LlamaForCausalLM" and sdpa.keeps == "reference"
+    # SDPA's backward computes the scores again: 2 * b * h * s * s * head_dim per layer
+    assert sdpa.cost == 2 * (2 * 2 * 4 * seq * seq * 16)
+    budget = trace.analysis.peak_with(sdpa.edits)
+    plan = memtrim.fit(step, budget=budget)
+    assert [lever.lever for lever in plan.levers] == ["sdpa-attention"], plan.levers
+    assert plan.code().startswith('model.set_attn_implementation("sdpa")')
+    with memtrim.applied(plan):
+        measured = _profiled_peak(step)
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "eager"  # undone on exit
+    print(f"unplanned {trace.peak_bytes}; predicted {plan.predicted_peak} profiled {measured}")
+    assert abs(measured - plan.predicted_peak) <= 0.05 * measured
+    assert plan.numerics.verdict == "pass" and "verify_fix" in plan.numerics.note, plan.numerics

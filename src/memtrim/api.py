@@ -389,7 +389,7 @@ def fit(
         step()
     saved.restore()
     if all(lever.keeps == "exact" for lever in plan.levers):
-        with applied(plan), StepCapture() as planned:
+        with StepCapture() as planned, applied(plan):
             step()
         saved.restore()
         plan.numerics = compare(plan, unplanned.captured, planned.captured, where="step()")

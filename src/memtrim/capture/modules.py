@@ -127,7 +127,8 @@ def name_roots(paths: Iterable[str]) -> dict[str, str]:
         return {}
     owner: dict[int, tuple[torch.nn.Module, str]] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module):
+        # type(), not isinstance(): a module's deprecated attribute proxies warn on __class__
+        if issubclass(type(obj), torch.nn.Module):
             for name, child in obj._modules.items():
                 if child is not None and not _compiled_wrapper_of(obj, child):
                     owner.setdefault(id(child), (obj, name))

@@ -15,8 +15,10 @@ alive all at once.
 One optimizer of the same class per parameter, built with the options of the parameter's group and
 holding the state the original optimizer had for it (the same tensors): for an optimizer whose update of
 a parameter reads only that parameter's gradient and state (SGD, Adam, AdamW, ... run per parameter),
-training is the same bit for bit. It is not for global gradient-norm clipping (no parameter's step can
-wait for the others' gradients) or gradient accumulation (it steps at every backward).
+training is the same bit for bit. Each parameter's step first takes its group's options as the
+original optimizer's group holds them then, so a learning-rate scheduler of the original optimizer keeps
+working. It is not for global gradient-norm clipping (no parameter's step can wait for the others'
+gradients) or gradient accumulation (it steps at every backward).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class OptimizerInBackwardHandle:
 def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwardHandle:
     """Run ``optimizer``'s update of each parameter in backward, right after its gradient is accumulated,
     and free the gradient there. Drop ``optimizer.step()`` and ``optimizer.zero_grad()`` from the loop
-    while installed; ``handle.remove()`` undoes it. A learning-rate scheduler must be given each of
-    ``handle.optimizers``."""
+    while installed; ``handle.remove()`` undoes it. A learning-rate scheduler of ``optimizer`` keeps
+    working: each step reads its group's options (``lr``...) from ``optimizer.param_groups``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer_in_backward takes a torch.optim.Optimizer, not {type(optimizer).__name__}: "
@@ -71,12 +73,17 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwa
                 single.state[p] = optimizer.state.pop(p)
             handle.parameters.append(p)
             handle.optimizers.append(single)
-            handle._hooks.append(p.register_post_accumulate_grad_hook(_stepper(single)))
+            handle._hooks.append(p.register_post_accumulate_grad_hook(_stepper(single, group)))
     return handle
 
 
-def _stepper(single: torch.optim.Optimizer) -> Any:
+def _stepper(single: torch.optim.Optimizer, group: dict[str, Any]) -> Any:
+    mine = single.param_groups[0]
+
     def step(p: torch.Tensor) -> None:
+        for key, value in group.items():
+            if key != "params":
+                mine[key] = value  # the group's options now: a scheduler may have changed lr
         single.step()
         p.grad = None  # freed here, not when the next zero_grad() would have
 

@@ -5,6 +5,7 @@ predicted on a recorded timeline and say what they keep in the doctor's vocabula
 (:data:`memtrim.doctor.diagnosis.Keeps`).
 """
 
+from memtrim.plan import optimizer_levers as _optimizer_levers  # noqa: F401  (registers its levers)
 from memtrim.plan.file import (
     SCHEMA,
     Numerics,

@@ -8,11 +8,13 @@ options is predicted by replaying their merged edits together, never by summing 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from memtrim.analysis.whatif import Added, Edits
@@ -22,6 +24,7 @@ from memtrim.doctor.rules.checkpoint import block_recomputes
 from memtrim.fixes.checkpoint import checkpoint_modules
 from memtrim.fixes.hf_loss import chunked_loss
 from memtrim.registry import Registry
+from memtrim.trace.model import Phase
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
@@ -38,24 +41,36 @@ class Option:
     cost: float
     """Extra work it makes (recompute FLOPs); 0 for a free change."""
     edits: Edits = field(repr=False, compare=False)
+    exclusive: str | None = None
+    """Options with the same key are alternatives: a combination takes at most one of them."""
+
+
+Undo = Callable[[], None]
+Uses = Sequence[dict[str, Any]]
+"""A plan's uses of one lever: their ``params``, in plan order."""
 
 
 @dataclass(frozen=True)
 class Lever:
-    """A registered lever: what it keeps, the options it offers on a recording, and the code a user
-    would paste to get the same change without memtrim."""
+    """A registered lever: what it keeps at best (an option may keep less: :attr:`Option.keeps`), the
+    options it offers on a recording, the code a user would paste to get the same change without
+    memtrim, and how :func:`memtrim.applied` applies it — to a module, to an optimizer, or once for the
+    block (one of the three)."""
 
     name: str
     keeps: Keeps
     options: Callable[[Analysis], list[Option]]
-    code: Callable[[Sequence[dict[str, Any]]], str]
+    code: Callable[[Uses], str]
     """The code for a plan's uses of this lever, from their ``params`` (in plan order)."""
-    apply: Callable[[nn.Module, Sequence[dict[str, Any]]], Undo | None]
+    apply: Callable[[nn.Module, Uses], Undo | None] | None = None
     """Apply the plan's uses of this lever to a module the program calls for the first time (before
     its forward runs); an undo, or None where the module is not what they name."""
+    apply_optimizer: Callable[[torch.optim.Optimizer, Uses], Undo | None] | None = None
+    """Apply them to an optimizer of the program's parameters, before their first forward in the block
+    (or before its first step there, for one built later); an undo, or None where it does not apply."""
+    install: Callable[[Uses], Undo] | None = None
+    """Apply them once for the whole block (a change of torch.optim's own behaviour); the undo."""
 
-
-Undo = Callable[[], None]
 
 LEVERS: Registry[str, Lever] = Registry("plan lever", "memtrim.plan.levers.LEVERS.add(name, Lever(...))")
 
@@ -87,19 +102,19 @@ def _checkpoint_options(analysis: Analysis) -> list[Option]:
     return options
 
 
-def _checkpoint_code(params: Sequence[dict[str, Any]]) -> str:
+def _checkpoint_code(params: Uses) -> str:
     names = [p["module"] for p in params]
     return f"memtrim.fixes.checkpoint_modules(model, {names!r})  # model: the module they are named in"
 
 
-def _checkpoint_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+def _checkpoint_apply(module: nn.Module, params: Uses) -> Undo | None:
     names = {p["module"] for p in params}
     present = [name for name, _ in module.named_modules() if name in names]
     return checkpoint_modules(module, present).undo if present else None
 
 
 LEVERS.add(
-    "checkpoint", Lever("checkpoint", "exact", _checkpoint_options, _checkpoint_code, _checkpoint_apply)
+    "checkpoint", Lever("checkpoint", "exact", _checkpoint_options, _checkpoint_code, apply=_checkpoint_apply)
 )
 
 
@@ -117,11 +132,11 @@ def _no_cache_options(analysis: Analysis) -> list[Option]:
     ][:1]
 
 
-def _no_cache_code(params: Sequence[dict[str, Any]]) -> str:
+def _no_cache_code(params: Uses) -> str:
     return "model.config.use_cache = False  # or model(..., use_cache=False) in the training step"
 
 
-def _no_cache_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+def _no_cache_apply(module: nn.Module, params: Uses) -> Undo | None:
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
     changed = [(c, c.use_cache) for c in configs.values() if getattr(c, "use_cache", None) is True]
     for config, _ in changed:
@@ -135,7 +150,7 @@ def _no_cache_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo
 
 
 LEVERS.add(
-    "use-cache-off", Lever("use-cache-off", "exact", _no_cache_options, _no_cache_code, _no_cache_apply)
+    "use-cache-off", Lever("use-cache-off", "exact", _no_cache_options, _no_cache_code, apply=_no_cache_apply)
 )
 
 
@@ -163,14 +178,14 @@ def _matmul_flops(cost: str | None) -> float:
     return float(found.group(1)) * 1e9 if found else 0.0
 
 
-def _chunked_loss_code(params: Sequence[dict[str, Any]]) -> str:
+def _chunked_loss_code(params: Uses) -> str:
     return "\n".join(
         f"handle = memtrim.fixes.chunked_loss(model, chunk_size={p['chunk_size']})  # your {p['model']}"
         for p in params
     )
 
 
-def _chunked_loss_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> Undo | None:
+def _chunked_loss_apply(module: nn.Module, params: Uses) -> Undo | None:
     for p in params:
         if type(module).__name__ == p["model"] and getattr(module, "config", None) is not None:
             return chunked_loss(module, chunk_size=p["chunk_size"]).remove
@@ -179,5 +194,63 @@ def _chunked_loss_apply(module: nn.Module, params: Sequence[dict[str, Any]]) -> 
 
 LEVERS.add(
     "chunked-loss",
-    Lever("chunked-loss", "reference", _chunked_loss_options, _chunked_loss_code, _chunked_loss_apply),
+    Lever("chunked-loss", "reference", _chunked_loss_options, _chunked_loss_code, apply=_chunked_loss_apply),
+)
+
+
+# -- scaled-dot-product attention for a transformers model (the doctor's eager-attention finding) ----
+_SCORE_PRODUCTS = frozenset({"bmm", "baddbmm", "mm", "matmul"})
+
+
+def _attention_recompute_flops(analysis: Analysis, blamed: Iterable[int]) -> float:
+    """What SDPA's backward computes again: the scores ``q @ k.T`` (``2 * b * h * s * t * d`` FLOPs per
+    attention), read off the recorded scores' matmuls (their query operand gives ``d``)."""
+    flow, allocations = analysis.flow, analysis.allocations
+    flops = 0.0
+    for ident in blamed:
+        a = allocations[ident]
+        producer = flow.producer[a.id]
+        if producer < 0 or flow.names[producer] not in _SCORE_PRODUCTS or a.phase is not Phase.FORWARD:
+            continue
+        inputs = flow.ops[producer].inputs
+        query = allocations[inputs[0]].shape if inputs else ()
+        if len(a.shape) < 2 or not query:
+            continue
+        head_dim = query[-1]
+        flops += 2.0 * math.prod(a.shape) * head_dim
+    return flops
+
+
+def _sdpa_options(analysis: Analysis) -> list[Option]:
+    options = []
+    for d in diagnoses(analysis):
+        root = _finding_root(d.module)
+        if d.rule != "eager-attention" or "set_attn_implementation" not in (d.code or "") or not root:
+            continue
+        cost = _attention_recompute_flops(analysis, (a.id for a in d.allocations))
+        options.append(Option("sdpa-attention", root, {"model": root}, "reference", cost, d.edits))
+    return options[:1]
+
+
+def _sdpa_code(params: Uses) -> str:
+    return "\n".join(
+        f'model.set_attn_implementation("sdpa")  # your {p["model"]}; or from_pretrained(..., '
+        'attn_implementation="sdpa")'
+        for p in params
+    )
+
+
+def _sdpa_apply(module: nn.Module, params: Uses) -> Undo | None:
+    config = getattr(module, "config", None)
+    setter = getattr(module, "set_attn_implementation", None)
+    if config is None or setter is None or not any(type(module).__name__ == p["model"] for p in params):
+        return None
+    before = getattr(config, "_attn_implementation", None)
+    setter("sdpa")
+    return (lambda: setter(before)) if before is not None else None
+
+
+LEVERS.add(
+    "sdpa-attention",
+    Lever("sdpa-attention", "reference", _sdpa_options, _sdpa_code, apply=_sdpa_apply),
 )

@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memtrim.plan.file import Numerics, Plan
+from memtrim.plan.file import Numerics, Plan, Verdict
 
 LARGEST_SHOWN = 3
 """Gradients named in :attr:`Numerics.max_differences` besides the totals: the largest differences."""
@@ -211,25 +211,55 @@ def compare(plan: Plan, unplanned: Captured, planned: Captured, *, where: str) -
 def reference_check(plan: Plan, capture: StepCapture) -> Numerics:
     """A plan with a ``reference`` lever: :func:`memtrim.verify.verify_fix` on each model the run called
     that the plan changes, with its first call's arguments — the loss (the output's ``.loss``) and
-    every parameter's gradient with and without the plan's levers, against the float64 oracle within
-    verify's rounding budget."""
+    every parameter's gradient with and without the plan's module levers, against the float64 oracle
+    within verify's rounding budget — and :func:`~memtrim.plan.optimizer_check.optimizer_check` of the
+    optimizers the run stepped that its optimizer levers change. Passes only if every check passes."""
+    from memtrim.plan.optimizer_check import optimizer_check
+    from memtrim.plan.optimizer_levers import group_options
+
+    checks = [_models_check(plan, capture)]
+    changes = [(lv.lever, f) for lv in plan.levers if (f := group_options(lv.lever, lv.params)) is not None]
+    if changes:
+        checks.append(optimizer_check(capture.optimizers, changes))
+    ran = [c for c in checks if c is not None]
+    if not ran:
+        return Numerics(
+            "not-run", note="no model or optimizer the program used is one the plan's levers change"
+        )
+    if any(c.verdict == "not-run" for c in ran):
+        return next(c for c in ran if c.verdict == "not-run")
+    differences: dict[str, float] = {}
+    for c in ran:
+        for key, value in c.max_differences.items():
+            differences[key] = max(differences.get(key, 0.0), value)
+    verdict: Verdict = "fail" if any(c.verdict == "fail" for c in ran) else "pass"
+    return Numerics(verdict, differences, note="; ".join(c.note for c in ran))
+
+
+def _models_check(plan: Plan, capture: StepCapture) -> Numerics | None:
+    """verify_fix of each called model the plan's module levers change (None: none is)."""
     from memtrim.plan.levers import LEVERS
     from memtrim.verify.fix import verify_fix
 
     uses: dict[str, list[dict[str, Any]]] = {}
     for lever in plan.levers:
-        uses.setdefault(lever.lever, []).append(lever.params)
+        if LEVERS[lever.lever].apply is not None:
+            uses.setdefault(lever.lever, []).append(lever.params)
 
-    def fix(model: nn.Module) -> None:
+    def changed(model: nn.Module) -> list[Any]:
+        found = []
         for name, params in uses.items():
-            LEVERS[name].apply(model, params)
+            apply = LEVERS[name].apply
+            if apply is not None and (undo := apply(model, params)) is not None:
+                found.append(undo)
+        return found
 
     checked, notes = 0, []
     differences: dict[str, float] = {}
-    for model, args, kwargs in capture.calls:
+    for model, args, kwargs in capture.calls if uses else ():
         with _disable_current_modes():
             probe = copy.deepcopy(model)
-        if not [u for name, params in uses.items() if (u := LEVERS[name].apply(probe, params))]:
+        if not changed(probe):
             continue  # not a model the plan changes
         if args and kwargs:
             return Numerics(
@@ -238,7 +268,7 @@ def reference_check(plan: Plan, capture: StepCapture) -> Numerics:
                 "arguments; check it with memtrim.verify_fix(model, fix, batch)",
             )
         try:
-            report = verify_fix(model, fix, kwargs or args, mode="reference")
+            report = verify_fix(model, changed, kwargs or args, mode="reference")
         except (TypeError, ValueError) as error:
             return Numerics("not-run", note=f"{type(model).__name__}: {error}")
         checked += 1
@@ -253,7 +283,7 @@ def reference_check(plan: Plan, capture: StepCapture) -> Numerics:
         if not report.passed:
             return Numerics("fail", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
     if not checked:
-        return Numerics("not-run", note="no model the program called is one the plan's levers change")
+        return None
     return Numerics("pass", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
 
 

@@ -45,11 +45,16 @@ class Search:
 
 def options_of(analysis: Analysis, allow: frozenset[str] = frozenset({"exact", "reference"})) -> list[Option]:
     """Every option each registered lever offers on ``analysis``, limited to what ``allow`` keeps."""
-    return [o for lever in LEVERS.values() if lever.keeps in allow for o in lever.options(analysis)]
+    return [o for lever in LEVERS.values() for o in lever.options(analysis) if o.keeps in allow]
 
 
 def _peak(analysis: Analysis, options: tuple[Option, ...]) -> int:
     return analysis.peak_with(merged(o.edits for o in options)) if options else analysis.peak.bytes
+
+
+def _compatible(options: tuple[Option, ...]) -> bool:
+    keys = [o.exclusive for o in options if o.exclusive is not None]
+    return len(keys) == len(set(keys))
 
 
 def _pareto(candidates: list[Candidate]) -> tuple[Candidate, ...]:
@@ -66,13 +71,16 @@ def search(analysis: Analysis, budget: int, options: list[Option]) -> Search:
     if len(options) <= EXHAUSTIVE:
         for n in range(1, len(options) + 1):
             for combo in itertools.combinations(options, n):
-                candidates.append(Candidate(combo, _peak(analysis, combo)))
+                if _compatible(combo):
+                    candidates.append(Candidate(combo, _peak(analysis, combo)))
     else:
         chosen: tuple[Option, ...] = ()
         current = baseline
         left = list(options)
         while left and current > budget:
-            scored = [(o, _peak(analysis, (*chosen, o))) for o in left]
+            scored = [(o, _peak(analysis, (*chosen, o))) for o in left if _compatible((*chosen, o))]
+            if not scored:
+                break
             option, peak = max(scored, key=lambda s: (current - s[1]) / (s[0].cost + 1.0))
             if peak >= current:
                 break
@@ -80,6 +88,7 @@ def search(analysis: Analysis, budget: int, options: list[Option]) -> Search:
             left.remove(option)
             candidates.append(Candidate(chosen, peak))
     fits = [c for c in candidates if c.peak <= budget]
-    best = min(fits, key=lambda c: (c.cost, c.peak, len(c.options))) if fits else None
+    # the cheapest; at the same cost the fewest changes (a free lever the budget does not need stays out)
+    best = min(fits, key=lambda c: (c.cost, len(c.options), c.peak)) if fits else None
     lowest = min(candidates, key=lambda c: (c.peak, c.cost))
     return Search(baseline, best, lowest, _pareto(candidates))

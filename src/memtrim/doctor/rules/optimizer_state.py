@@ -83,15 +83,21 @@ def _reads_between(analysis: Analysis, grads: list[Allocation]) -> Site | None:
 
 
 def _accumulates(analysis: Analysis, grads: list[Allocation]) -> bool:
-    """Whether a gradient is added into by a later backward (gradient accumulation)."""
+    """Whether a gradient is added into by a later backward (gradient accumulation); one zeroed in
+    place in between (``zero_grad(set_to_none=False)``) is a new gradient, not an accumulated one."""
     flow, ops = analysis.flow, analysis.flow.ops
     for g in grads:
-        made = flow.producer[g.id]
+        since, zeroed = flow.producer[g.id], False
         for r in flow.readers[g.id]:
-            backward_write = r > made and ops[r].phase is Phase.BACKWARD and writes_in_place(ops[r].op)
-            # added into by a backward after another phase ran
-            if backward_write and any(ops[x].phase is not Phase.BACKWARD for x in range(made, r)):
+            if flow.names[r] in _ZERO:
+                since, zeroed = r, True
+                continue
+            if r <= since or ops[r].phase is not Phase.BACKWARD or not writes_in_place(ops[r].op):
+                continue
+            # added into by a backward after another phase ran, and not zeroed since
+            if not zeroed and any(ops[x].phase is not Phase.BACKWARD for x in range(since, r)):
                 return True
+            since, zeroed = r, False
     return False
 
 
@@ -102,7 +108,21 @@ def _in_backward(
     temporaries: list[Allocation],
 ) -> Diagnosis | None:
     flow, ops = analysis.flow, analysis.flow.ops
-    stepped = sum(g.bytes for g in grads)
+    phases = [flow.next_in(phase) for phase in (Phase.FORWARD, Phase.OPTIMIZER, Phase.OTHER)]
+    after_backward = [min(ends) for ends in zip(*phases, strict=True)]
+    """Op number -> the first op after it outside backward: ops with the same value share a backward."""
+    hooks: dict[int, list[float]] = {}
+    for g in grads:
+        # a hook runs when a backward is done with the gradient: its last read in that backward. The
+        # first frees it; a later backward adding into it (zeroed in place in between) makes a new one
+        # under the hook, stepped and freed there too
+        made = flow.producer[g.id]
+        last_in: dict[int, int] = {after_backward[made]: made} if made >= 0 else {}
+        for r in flow.readers[g.id]:
+            if ops[r].phase is Phase.BACKWARD and r > made:
+                last_in[after_backward[r]] = r
+        hooks[g.id] = [float(ops[r].tick) for _, r in sorted(last_in.items())] or [float(g.alloc_tick)]
+    stepped = sum(g.bytes * len(hooks[g.id]) for g in grads)
     share = sum(t.bytes for t in temporaries) / stepped if stepped else 0.0
     free_at: dict[int, float | None] = {}
     alloc_at: dict[int, float] = {}
@@ -110,14 +130,13 @@ def _in_backward(
     linked_states: set[int] = set()
     backward_start = min(g.alloc_tick for g in grads)
     for g in grads:
-        last = [r for r in flow.readers[g.id] if ops[r].phase is Phase.BACKWARD]
-        hook = float(ops[last[-1]].tick if last else g.alloc_tick)
+        hook = hooks[g.id][0]
         for s in states.get(g.id, []):
             linked_states.add(s.id)
             if not s.preexisting and s.phase is Phase.OPTIMIZER:
                 alloc_at[s.id] = hook + 0.1  # the first step creates it in the hook
         if share:
-            added.append(Added(math.ceil(share * g.bytes), hook + 0.2, hook + 0.3))
+            added += [Added(math.ceil(share * g.bytes), h + 0.2, h + 0.3) for h in hooks[g.id]]
         free_at[g.id] = hook + 0.4
     for a in analysis.allocations:
         # state the trace could not tie to one gradient (a foreach step's lists): made at backward's start
@@ -162,7 +181,7 @@ def _in_backward(
             "step each parameter in backward as soon as its gradient is made: "
             "handle = memtrim.fixes.optimizer_in_backward(optimizer), then drop optimizer.step() and "
             "optimizer.zero_grad() from the loop (one optimizer per parameter, from "
-            "register_post_accumulate_grad_hook; a scheduler steps each of handle.optimizers)"
+            "register_post_accumulate_grad_hook; a scheduler of the optimizer keeps working)"
         ),
         code=(
             "import memtrim.fixes\n"

@@ -1,0 +1,185 @@
+"""The optimizer levers of memtrim.plan (``optimizer-in-backward``, ``optimizer-fused``,
+``optimizer-foreach-off``, ``zero-grad-to-none``) on a small AdamW/SGD loop: each is offered from its
+doctor finding, applied by ``memtrim.applied`` to the optimizer the program built before the block,
+measured with torch.profiler's allocation events (the ground truth) against its prediction, and its
+numbers compared with the loop without it — bit for bit for the exact levers, against a float64 step
+within verify's rounding budget for the reference ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from groundtruth import profiler_memory
+from torch import nn
+
+import memtrim
+from memtrim.plan.apply import applied
+from memtrim.plan.file import Plan, PlannedLever
+from memtrim.plan.numerics import StepCapture, reference_check
+from memtrim.plan.search import Candidate, options_of, search
+
+Loop = Callable[[], None]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+
+def _loop(model: nn.Module, optimizer: torch.optim.Optimizer, *, zero: str = "after") -> Loop:
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+
+    def loop() -> None:
+        for _ in range(2):
+            if zero == "before":
+                optimizer.zero_grad(set_to_none=False)  # kept zeroed through the next forward
+            model(x).square().mean().backward()
+            optimizer.step()
+            if zero == "after":
+                optimizer.zero_grad(set_to_none=True)
+
+    return loop
+
+
+def _plan_of(option_lever: str, loop: Loop, params: dict[str, object] | None = None) -> tuple[Plan, int]:
+    with memtrim.track() as trace:
+        loop()
+    options = [o for o in options_of(trace.analysis, frozenset({"exact", "reference"}))]
+    (option,) = [o for o in options if o.lever == option_lever and (params is None or o.params == params)]
+    predicted = trace.analysis.peak_with(option.edits)
+    assert predicted < trace.peak_bytes, (option_lever, predicted, trace.peak_bytes)
+    o = option
+    lever = PlannedLever(o.lever, o.target, dict(o.params), o.keeps, predicted, o.cost)
+    return Plan(trace.peak_bytes, trace.peak_bytes, predicted, [lever]), predicted
+
+
+def _parameters(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _measured(plan: Plan, loop: Loop) -> int:
+    with applied(plan), profiler_memory() as truth:
+        loop()
+    return truth.peak_in_window
+
+
+@pytest.mark.parametrize("zero", ["after", "before"])
+def test_the_step_in_backward_measures_its_prediction_and_trains_bit_for_bit(zero: str) -> None:
+    reference, model = _model(), _model()
+    _loop(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), zero=zero)()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before the block, as fit(step)'s
+    loop = _loop(model, optimizer, zero=zero)
+    plan, predicted = _plan_of("optimizer-in-backward", loop, {})
+    assert plan.levers[0].keeps == "exact"
+    fresh = _model()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    measured = _measured(plan, _loop(fresh, fresh_optimizer, zero=zero))
+    # the recorded loop created AdamW's state, as the measured one does: to the byte
+    assert measured == predicted, (measured, predicted)
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(reference), _parameters(fresh), strict=True))
+    assert not fresh_optimizer.state or all(p in fresh_optimizer.state for p in fresh.parameters())
+    # undone: the optimizer has its state back and steps as before
+    assert len(fresh_optimizer.state) == 8 and all(p.grad is None for p in fresh.parameters())
+
+
+def test_the_step_in_backward_follows_a_scheduler_of_the_original_optimizer() -> None:
+    a, b = _model(), _model()
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b))
+    sched_a, sched_b = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_a, opt_b))
+    x = torch.randn(8, 256)
+    handle = memtrim.fixes.optimizer_in_backward(opt_b)
+    for _ in range(3):
+        a(x).square().mean().backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        sched_a.step()
+        b(x).square().mean().backward()  # stepped in backward, with the lr the scheduler set
+        opt_b.step()  # kept in the loop: every gradient is None by now, nothing is stepped twice
+        opt_b.zero_grad()
+        sched_b.step()
+    handle.remove()
+    assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_fused_in_backward_measures_its_prediction_and_passes_the_reference_check() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loop = _loop(model, optimizer)
+    plan, predicted = _plan_of("optimizer-in-backward", loop, {"fused": True})
+    other = _model()
+    other_loop = _loop(other, torch.optim.AdamW(other.parameters(), lr=1e-2))
+    plain, _ = _plan_of("optimizer-in-backward", other_loop, {})
+    assert predicted < plain.predicted_peak  # the fused step in each hook makes no temporaries
+    assert plan.levers[0].keeps == "reference"
+    fresh = _model()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with StepCapture(values=False) as capture:  # finds the optimizers, copies nothing
+        measured = _measured(plan, _loop(fresh, fresh_optimizer))
+    # the fused kernel's own few-byte allocations aside
+    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert all(group["fused"] is None for group in fresh_optimizer.param_groups)  # undone
+    numerics = reference_check(plan, capture)
+    assert numerics.verdict == "pass", numerics
+    assert "AdamW: passed" in numerics.note and numerics.max_differences["budget_used"] <= 1.0
+
+
+def test_fused_measures_its_prediction_and_a_wrong_update_fails_its_check() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan, predicted = _plan_of("optimizer-fused", _loop(model, optimizer))
+    fresh = _model()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with StepCapture(values=False) as capture:
+        measured = _measured(plan, _loop(fresh, fresh_optimizer))
+    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert reference_check(plan, capture).verdict == "pass"
+    # the check can fail: the same lever on an optimizer whose fused step would be another update
+    from memtrim.plan.optimizer_check import optimizer_check
+
+    wrong = optimizer_check(capture.optimizers, [("optimizer-fused", lambda o: {"fused": True, "lr": 2e-2})])
+    assert wrong is not None and wrong.verdict == "fail", wrong
+
+
+def test_foreach_off_measures_its_prediction_and_passes_the_reference_check() -> None:
+    model = _model()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, foreach=True)
+    plan, predicted = _plan_of("optimizer-foreach-off", _loop(model, optimizer))
+    assert plan.levers[0].keeps == "reference"
+    fresh = _model()
+    fresh_optimizer = torch.optim.RMSprop(fresh.parameters(), lr=1e-3, foreach=True)
+    with StepCapture(values=False) as capture:
+        measured = _measured(plan, _loop(fresh, fresh_optimizer))
+    assert abs(measured - predicted) <= 0.01 * measured, (measured, predicted)
+    assert fresh_optimizer.param_groups[0]["foreach"] is True  # undone
+    assert reference_check(plan, capture).verdict == "pass"
+
+
+def test_gradients_zeroed_in_place_set_to_none_measure_their_prediction_bit_for_bit() -> None:
+    reference, model = _model(), _model()
+    _loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1), zero="before")()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan, predicted = _plan_of("zero-grad-to-none", _loop(model, optimizer, zero="before"))
+    assert plan.levers[0].keeps == "exact" and plan.levers[0].params == {"when": "zero_grad"}
+    fresh = _model()
+    measured = _measured(plan, _loop(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), zero="before"))
+    assert measured <= predicted and abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(reference), _parameters(fresh), strict=True))
+    # undone: zero_grad zeroes in place again
+    fresh(torch.randn(2, 256)).sum().backward()
+    torch.optim.SGD(fresh.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    assert all(p.grad is not None for p in fresh.parameters())
+
+
+def test_the_search_never_combines_two_ways_of_running_the_step() -> None:
+    model = _model()
+    with memtrim.track() as trace:
+        _loop(model, torch.optim.AdamW(model.parameters(), lr=1e-2))()
+    options = options_of(trace.analysis)
+    step_levers = [o for o in options if o.exclusive == "optimizer-step"]
+    assert {o.lever for o in step_levers} == {"optimizer-in-backward", "optimizer-fused"}
+    found = search(trace.analysis, 1, options)
+    seen: list[Candidate] = [*found.front, found.lowest]
+    assert all(sum(o.exclusive == "optimizer-step" for o in c.options) <= 1 for c in seen)
