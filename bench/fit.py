@@ -9,7 +9,8 @@ allocates on top of what existed before it). For each:
 - predicted: the peak the search replayed on the recording with the plan's levers;
 - measured: torch.profiler's CPU allocation events for one step run inside ``memtrim.applied(plan)``
   (every block, also those an op makes and frees inside itself), peak above the step's start;
-- cost: the levers' extra work (recompute FLOPs); numerics: the plan's numeric check (``pass`` bit for
+- cost: the levers' extra work (recompute FLOPs); keeps: the least any lever keeps;
+- numerics: the plan's numeric check (``pass`` bit for
   bit for exact levers; ``memtrim.verify_fix`` within its rounding budget for reference ones).
 
 Run: python bench/fit.py [--only NAME ...]
@@ -82,18 +83,18 @@ def gpt2() -> Step:
 
 
 def _decoder_config(cls: type, **extra: object) -> object:
-    return cls(
-        vocab_size=8192,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        **extra,
-    )
+    options: dict[str, object] = {
+        "vocab_size": 8192,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    return cls(**(options | extra))
 
 
 def llama() -> Step:
@@ -116,6 +117,36 @@ def gemma2() -> Step:
     return _causal_lm(transformers.Gemma2ForCausalLM(config), 8192)
 
 
+def mistral() -> Step:
+    import transformers
+
+    config = _decoder_config(transformers.MistralConfig, attn_implementation="eager")
+    return _causal_lm(transformers.MistralForCausalLM(config), 8192)
+
+
+def qwen2_eager() -> Step:
+    """Eager attention at a longer sequence: the saved [batch, heads, seq, seq] scores set the peak."""
+    import transformers
+
+    config = _decoder_config(
+        transformers.Qwen2Config, attn_implementation="eager", max_position_embeddings=512
+    )
+    model = transformers.Qwen2ForCausalLM(config)
+    ids = torch.randint(0, 8192, (2, 512), generator=torch.Generator().manual_seed(0))
+    return training_step(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+
+def t5() -> Step:
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=8192, d_model=128, d_kv=32, d_ff=256, num_layers=3, num_heads=4, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+    return training_step(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+
 class Residual(nn.Module):
     def __init__(self, width: int, hidden: int) -> None:
         super().__init__()
@@ -129,6 +160,13 @@ class Residual(nn.Module):
 def mlp() -> Step:
     model = nn.Sequential(*[Residual(128, 512) for _ in range(6)], nn.Linear(128, 10))
     x, y = torch.randn(2048, 128), torch.randint(0, 10, (2048,))
+    return training_step(model, lambda: nn.functional.cross_entropy(model(x), y))
+
+
+def wide_mlp() -> Step:
+    """Few rows through wide layers: gradients and the optimizer step's temporaries set the peak."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)], nn.Linear(1024, 10))
+    x, y = torch.randn(16, 1024), torch.randint(0, 10, (16,))
     return training_step(model, lambda: nn.functional.cross_entropy(model(x), y))
 
 
@@ -153,7 +191,11 @@ PROGRAMS: dict[str, Callable[[], Step]] = {
     "llama": llama,
     "qwen3": qwen3,
     "gemma2": gemma2,
+    "mistral": mistral,
+    "qwen2-eager": qwen2_eager,
+    "t5": t5,
     "mlp": mlp,
+    "wide-mlp": wide_mlp,
     "convnet-bn": convnet,
 }
 
@@ -170,6 +212,7 @@ class Row:
     cost: float = 0.0
     numerics: str = ""
     seconds: float = 0.0
+    keeps: str = ""
 
     @property
     def within(self) -> bool:
@@ -204,8 +247,19 @@ def run(name: str, share: float) -> Row:
         levers[lever.lever] = levers.get(lever.lever, 0) + 1
     described = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in levers.items()) or "(nothing)"
     cost = sum(lever.cost for lever in plan.levers)
+    kept = {lever.keeps for lever in plan.levers}
+    keeps = next((k for k in ("changes-training", "reference", "exact") if k in kept), "exact")
     return Row(
-        name, share, budget, described, plan.predicted_peak, measured, cost, plan.numerics.verdict, seconds
+        name,
+        share,
+        budget,
+        described,
+        plan.predicted_peak,
+        measured,
+        cost,
+        plan.numerics.verdict,
+        seconds,
+        keeps,
     )
 
 
@@ -221,7 +275,7 @@ def main() -> None:
     header = (
         f"{'program':<11} {'budget':>10}  {'plan':<34} {'predicted':>10} {'measured':>10} {'pred-meas':>9}"
     )
-    print(header + f" {'fits':>4} {'cost FLOP':>9} {'numerics':>8} {'fit s':>5}")
+    print(header + f" {'fits':>4} {'cost FLOP':>9} {'keeps':>9} {'numerics':>8} {'fit s':>5}")
     rows = []
     for name in names:
         for share in BUDGETS:
@@ -236,7 +290,7 @@ def main() -> None:
                 f"{name:<11} {budget:>10}  {row.plan:<34} {format_bytes(row.predicted):>10} "
                 f"{format_bytes(row.measured):>10} {row.error * 100:>+8.1f}% "
                 f"{'yes' if row.within else 'NO':>4} "
-                f"{row.cost:>9.2g} {row.numerics:>8} {row.seconds:>5.1f}"
+                f"{row.cost:>9.2g} {row.keeps:>9} {row.numerics:>8} {row.seconds:>5.1f}"
             )
     feasible = [r for r in rows if r.measured is not None]
     within = sum(r.within for r in feasible)

@@ -15,6 +15,7 @@ from groundtruth import profiler_memory
 from torch import nn
 
 import memtrim
+from memtrim.fixes.optimizer import PER_PARAMETER_OPTIMIZERS
 from memtrim.plan.apply import applied
 from memtrim.plan.file import Plan, PlannedLever
 from memtrim.plan.numerics import StepCapture, reference_check
@@ -53,6 +54,12 @@ def _plan_of(option_lever: str, loop: Loop, params: dict[str, object] | None = N
     o = option
     lever = PlannedLever(o.lever, o.target, dict(o.params), o.keeps, predicted, o.cost)
     return Plan(trace.peak_bytes, trace.peak_bytes, predicted, [lever]), predicted
+
+
+def _recorded_loop() -> Loop:
+    """A loop of its own to plan on (the one measured is built apart)."""
+    model = _model()
+    return _loop(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
 def _parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -183,3 +190,58 @@ def test_the_search_never_combines_two_ways_of_running_the_step() -> None:
     found = search(trace.analysis, 1, options)
     seen: list[Candidate] = [*found.front, found.lowest]
     assert all(sum(o.exclusive == "optimizer-step" for o in c.options) <= 1 for c in seen)
+
+
+def test_a_plan_applied_again_leaves_the_last_blocks_per_parameter_optimizers_alone() -> None:
+    # memtrim.fit applies its plan twice (measured, then the numeric check) and the user a third time:
+    # the one-parameter optimizers a block built must not be moved into backward by the next block,
+    # where each would step its parameter again from empty state
+    reference, model = _model(), _model()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_loop, loop = _loop(reference, reference_optimizer), _loop(model, optimizer)
+    plan, _ = _plan_of("optimizer-in-backward", _recorded_loop(), {})
+    control = _model()
+    control_loop = _loop(control, torch.optim.AdamW(control.parameters(), lr=1e-2))
+    control_loop()  # its state exists, as the second block's will; no block before it left anything
+    with applied(plan), profiler_memory() as truth:
+        control_loop()
+    alone = truth.peak_in_window
+    reference_loop()
+    with applied(plan):
+        loop()
+        held = list(PER_PARAMETER_OPTIMIZERS)  # kept alive, as a trace or a closure may keep them
+    assert len(held) == len(list(model.parameters()))
+    reference_loop()
+    with applied(plan), profiler_memory() as truth:
+        loop()
+    assert truth.peak_in_window == alone  # no second state made from nothing
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+    assert len(optimizer.state) == len(held)  # every parameter's state is back with the optimizer
+
+
+def test_of_two_optimizers_over_one_parameter_the_one_with_state_is_changed() -> None:
+    model, reference = _model(), _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    loop = _loop(model, optimizer)
+    plan, _ = _plan_of("optimizer-in-backward", loop, {})  # steps it: it has state
+    _loop(reference, reference_optimizer)()
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a second one the program never steps
+    _loop(reference, reference_optimizer)()
+    with applied(plan), pytest.warns(UserWarning, match="which one the loop steps is not known"):
+        loop()
+    assert not stale.state  # left as built: never stepped in backward
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+
+
+def test_two_optimizers_over_one_parameter_without_state_are_both_left_as_built() -> None:
+    model = _model()
+    plan, _ = _plan_of("optimizer-in-backward", _recorded_loop(), {})
+    first = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    second = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 256)
+    with applied(plan), pytest.warns(UserWarning, match="left as built"):
+        model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # no step freed them in backward
+    assert not first.state and not second.state

@@ -24,6 +24,7 @@ gradients) or gradient accumulation (it steps at every backward).
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwa
             if not p.requires_grad:
                 continue
             single = kind([p], **{k: v for k, v in options.items() if k in accepted})
+            PER_PARAMETER_OPTIMIZERS.add(single)
             single.param_groups[0].update(options)  # every option as the group had it
             if p in optimizer.state:
                 single.state[p] = optimizer.state.pop(p)
@@ -75,6 +77,11 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwa
             handle.optimizers.append(single)
             handle._hooks.append(p.register_post_accumulate_grad_hook(_stepper(single, group)))
     return handle
+
+
+PER_PARAMETER_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+"""The one-parameter optimizers ``optimizer_in_backward`` built: they are its parts, not the program's
+optimizers (a plan applied later must not move them into backward again, even once removed)."""
 
 
 def _stepper(single: torch.optim.Optimizer, group: dict[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from memtrim.fixes.optimizer import PER_PARAMETER_OPTIMIZERS
 from memtrim.plan.file import Plan
 from memtrim.plan.levers import LEVERS, Undo, Uses
 
@@ -43,9 +45,11 @@ class _Optimizers:
         self.done: set[int] = set()
         self.offering = False
         """While a lever is applied: the optimizers it builds (one per parameter) are its own."""
+        self.claimed: set[int] = set()
+        """The parameters of the optimizers offered: a parameter is changed through one optimizer."""
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.offering:
+        if self.offering or optimizer in PER_PARAMETER_OPTIMIZERS:
             return
         if id(optimizer) not in self.done and id(optimizer) not in self.waiting:
             params = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
@@ -53,14 +57,21 @@ class _Optimizers:
 
     def offer(self, optimizer: torch.optim.Optimizer) -> None:
         self.waiting.pop(id(optimizer), None)
-        if id(optimizer) in self.done:
+        if id(optimizer) in self.done or optimizer in PER_PARAMETER_OPTIMIZERS:
             return
         self.done.add(id(optimizer))
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if mine & self.claimed:
+            # a second optimizer of a parameter already changed, stepped now: a parameter stepped in
+            # backward by one and after backward by the other would train differently, so it stays
+            self._passed_over(optimizer)
+            return
+        self.claimed |= mine
         self.offering = True
         try:
-            for name, params in self.uses.items():
+            for name, uses in self.uses.items():
                 apply = LEVERS[name].apply_optimizer
-                if apply is not None and (undo := apply(optimizer, params)) is not None:
+                if apply is not None and (undo := apply(optimizer, uses)) is not None:
                     self.undos.append(undo)
         finally:
             self.offering = False
@@ -70,13 +81,42 @@ class _Optimizers:
             return
         mine = {id(p) for p in module.parameters()}
         for optimizer, params in list(self.waiting.values()):
-            if params & mine:
-                self.offer(optimizer)
+            if id(optimizer) in self.waiting and params & mine:
+                chosen = self._the_one_stepped(optimizer, params)
+                if chosen is not None:
+                    self.offer(chosen)
+
+    def _the_one_stepped(
+        self, optimizer: torch.optim.Optimizer, params: frozenset[int]
+    ) -> torch.optim.Optimizer | None:
+        """Of the waiting optimizers sharing parameters with ``optimizer``, the one the program steps:
+        the only one with state. With none or several stepped, no guess: none is changed."""
+        rivals = [o for o, ps in self.waiting.values() if o is not optimizer and ps & params]
+        if not rivals:
+            return optimizer
+        stepped = [o for o in [optimizer, *rivals] if o.state]
+        chosen = stepped[0] if len(stepped) == 1 else None
+        for other in [optimizer, *rivals]:
+            if other is not chosen:
+                self.waiting.pop(id(other), None)
+                self.done.add(id(other))
+                self._passed_over(other)
+        return chosen
+
+    @staticmethod
+    def _passed_over(optimizer: torch.optim.Optimizer) -> None:
+        warnings.warn(
+            f"memtrim.applied: an optimizer ({type(optimizer).__name__}) shares parameters with another "
+            "the program holds, and which one the loop steps is not known; it is left as built (drop the "
+            "optimizer the loop does not step)",
+            stacklevel=3,
+        )
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Optimizers alive now and built from now on are candidates; each is offered at the forward of
         a module holding its parameters, or at its first step."""
+        gc.collect()  # an optimizer nothing references any more is not a candidate
         for obj in gc.get_objects():
             # type(), not isinstance(): a module's deprecated attribute proxies warn on __class__
             if issubclass(type(obj), torch.optim.Optimizer):

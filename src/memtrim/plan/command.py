@@ -79,7 +79,7 @@ def render_plan(plan: Plan, found: Search, held_before: int = 0) -> str:
         lines += _table(rows)
     else:
         lines.append("  nothing to change: the unplanned peak is within the budget")
-    lines += ["", "Pareto front (lowest peak for each cost):"]
+    lines += ["", "Pareto front (lowest peak for each cost and number of levers):"]
     front = [("peak", "cost", "levers")]
     front += [
         (

@@ -40,7 +40,8 @@ class Search:
     lowest: Candidate
     """The lowest peak any searched combination reaches."""
     front: tuple[Candidate, ...]
-    """Pareto front, by cost: no other candidate is both cheaper and lower."""
+    """Pareto front, by cost: no other candidate is at most as costly, with at most as many levers,
+    keeping as much and at most as high, being better in one (so the chosen plan is on it)."""
 
 
 def options_of(analysis: Analysis, allow: frozenset[str] = frozenset({"exact", "reference"})) -> list[Option]:
@@ -57,10 +58,29 @@ def _compatible(options: tuple[Option, ...]) -> bool:
     return len(keys) == len(set(keys))
 
 
+_KEEPS_ORDER = {"exact": 0, "reference": 1, "changes-training": 2}
+
+
+def _kept(candidate: Candidate) -> int:
+    """How much the candidate changes: its least-keeping option's rank (0: every option exact)."""
+    return max((_KEEPS_ORDER[o.keeps] for o in candidate.options), default=0)
+
+
+def _best(candidates: list[Candidate], budget: int) -> Candidate | None:
+    """The cheapest at or under ``budget``; at the same cost the fewest changes (a free lever the budget
+    does not need stays out), then the one that keeps most (bit for bit before no less accurate), then
+    the lowest."""
+    fits = [c for c in candidates if c.peak <= budget]
+    return min(fits, key=lambda c: (c.cost, len(c.options), _kept(c), c.peak)) if fits else None
+
+
 def _pareto(candidates: list[Candidate]) -> tuple[Candidate, ...]:
     front: list[Candidate] = []
-    for c in sorted(candidates, key=lambda c: (c.cost, c.peak)):
-        if not front or c.peak < front[-1].peak:
+    # in this order a candidate's dominators come before it, and each is dominated by one on the front
+    for c in sorted(candidates, key=lambda c: (c.cost, len(c.options), _kept(c), c.peak)):
+        if not any(
+            d.peak <= c.peak and len(d.options) <= len(c.options) and _kept(d) <= _kept(c) for d in front
+        ):
             front.append(c)
     return tuple(front)
 
@@ -87,8 +107,6 @@ def search(analysis: Analysis, budget: int, options: list[Option]) -> Search:
             chosen, current = (*chosen, option), peak
             left.remove(option)
             candidates.append(Candidate(chosen, peak))
-    fits = [c for c in candidates if c.peak <= budget]
-    # the cheapest; at the same cost the fewest changes (a free lever the budget does not need stays out)
-    best = min(fits, key=lambda c: (c.cost, len(c.options), c.peak)) if fits else None
+    best = _best(candidates, budget)
     lowest = min(candidates, key=lambda c: (c.peak, c.cost))
     return Search(baseline, best, lowest, _pareto(candidates))
