@@ -164,3 +164,20 @@ def test_fit_of_a_region_records_its_entries_and_says_what_was_alive_before(tmp_
     before = 3 * params + 16 * 4 + 256 * 64 * 4
     assert f"{mt.units.format_bytes(before)} of tensors it used were alive before" in done.stdout
     assert "3 loss(es)" in plan.numerics.note and plan.numerics.verdict == "pass"
+
+
+def test_fit_under_fake_measures_the_plan_on_fake_tensors_as_the_profiler_does_on_real_ones(
+    tmp_path: Path,
+) -> None:
+    # fake tensors allocate nothing, but a CPU program's fake storages have the real sizes: the peak
+    # re-measured under --fake is the one torch.profiler sees when the plan runs on real tensors
+    (tmp_path / "stack.py").write_text(HONEST)
+    done = memtrim("fit", "--fake", "--budget", f"{BUDGET}", "-o", "plan.json", "stack.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "numeric check: not-run — measured on fake tensors" in done.stdout
+    plan = mt.load_plan(str(tmp_path / "plan.json"))
+    assert plan.numerics.verdict == "not-run"
+    assert {lever.lever for lever in plan.levers} >= {"checkpoint"}
+    real = _profiled(tmp_path / "stack.py", plan)
+    assert plan.measured_peak is not None
+    assert abs(plan.measured_peak - real) <= 0.01 * real, (plan.measured_peak, real)

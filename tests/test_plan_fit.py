@@ -168,3 +168,57 @@ def test_a_checkpoint_costs_what_flop_counter_counts_for_one_more_forward_of_the
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 block(block_input)
             assert option.cost == counter.get_total_flops() > 0, (option.target, option.cost)
+
+
+def test_fit_on_fake_tensors_predicts_and_measures_what_real_tensors_measure() -> None:
+    # the step's model is real; under fake=True its tensors become fake when used and nothing is
+    # allocated, yet the plan's fake re-measure is the peak torch.profiler sees for the real step
+    import torch
+    from groundtruth import profiler_memory
+    from torch import nn
+
+    import memtrim
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64)) for _ in range(4)]
+    )
+    x = torch.randn(256, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    with memtrim.track() as real:
+        step()
+    plan = memtrim.fit(step, budget=int(real.peak_bytes * 0.8), fake=True)
+    assert plan.numerics.verdict == "not-run" and "fake tensors" in plan.numerics.note
+    assert plan.levers and all(lever.lever == "checkpoint" for lever in plan.levers)
+    with memtrim.applied(plan), profiler_memory() as truth:
+        step()
+    assert plan.measured_peak is not None
+    assert abs(plan.measured_peak - truth.peak_in_window) <= 0.01 * truth.peak_in_window
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_floor_names_what_no_lever_removes_when_parameters_and_state_exceed_the_budget() -> None:
+    import pytest
+    import torch
+    from torch import nn
+
+    import memtrim
+
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(4, 256)
+
+    def step() -> None:
+        optimizer = torch.optim.AdamW(model.parameters())  # made in the step: its state counts
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(memtrim.NoPlanFits) as raised:
+        memtrim.fit(step, budget=parameters)  # parameters are alive before: state alone is 2x them
+    text = str(raised.value)
+    assert "Parameters and optimizer state alone are" in text and "FSDP2" in text

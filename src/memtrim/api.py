@@ -354,6 +354,7 @@ def fit(
     step: Callable[[], object],
     budget: str | int,
     allow: Iterable[str] = ("exact", "reference"),
+    fake: bool = False,
 ) -> Plan:
     """The cheapest plan (levers of :mod:`memtrim.plan`) that brings ``step()``'s peak to ``budget``
     (``"24GiB"`` or bytes): ``step`` is recorded once, the levers' combinations are replayed on the
@@ -362,6 +363,9 @@ def fit(
     the random generators, the step runs without and with the plan from that state, and the losses,
     every parameter's gradient and every parameter after the step are compared; the state is put back
     after each, so ``step()`` runs four times and the model is left as two steps leave it.
+    ``fake=True`` records and re-measures under ``FakeTensorMode`` (as ``track(fake=True)``: a full-size
+    step measured without allocating it) and runs the step twice; the numeric check is then not run
+    (``plan.numerics.verdict == "not-run"``): fit a small config of the same model for it.
     Raises :class:`~memtrim.plan.fit.NoPlanFits` naming the floor when no combination fits."""
     from memtrim.doctor.diagnosis import KEEPS
     from memtrim.plan import parse_budget
@@ -373,15 +377,21 @@ def fit(
     unknown = [k for k in wanted if k not in KEEPS]
     if unknown:
         raise ValueError(f"allow names what levers keep: one of {', '.join(KEEPS)}; got {unknown[0]!r}")
-    with StepCapture(values=False) as found, track() as trace:
+    with StepCapture(values=False) as found, track(fake=fake) as trace:
         step()
     fitted = fit_analysis(trace.analysis, parse_budget(budget), frozenset(wanted))  # type: ignore[arg-type]
     if fitted.plan is None:
         raise NoPlanFits(fitted.floor_text)
     plan = fitted.plan
-    with applied(plan), track() as measured:
+    with applied(plan), track(fake=fake) as measured:
         step()
     plan.measured_peak = measured.peak_bytes
+    if fake:
+        from memtrim.plan.command import FAKE_NOTE
+        from memtrim.plan.file import Numerics
+
+        plan.numerics = Numerics("not-run", {}, FAKE_NOTE)
+        return plan
     # the numeric check: the same state and seed, once without and once with the plan; the models and
     # optimizers are put back after each, so the step leaves them as the measured run did
     saved = StateSnapshot(found.models, found.optimizers)

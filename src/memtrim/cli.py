@@ -329,7 +329,7 @@ def _fit(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     _check_output("-o", args.output)
     _set_program(args)
-    args.fake, args.entry = False, None
+    args.entry = None
     started_in = os.getcwd()
 
     def once() -> Any:
@@ -356,7 +356,7 @@ def _fit(args: argparse.Namespace) -> int:
         return None if trace is None else trace.analysis
 
     allow = frozenset({"exact", "reference", *args.allow})
-    return fit_program(once, budget, allow=allow, output=args.output)
+    return fit_program(once, budget, allow=allow, output=args.output, fake=args.fake)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -615,7 +615,7 @@ def _version() -> str:
 
 RUN_USAGE = "memtrim run [options] (SCRIPT | -m MODULE) [ARGS ...]"
 FIT_USAGE = (
-    "memtrim fit --budget BYTES [-o PLAN] [--region NAME] [--allow changes-training] "
+    "memtrim fit --budget BYTES [-o PLAN] [--region NAME] [--fake] [--allow changes-training] "
     "(SCRIPT | -m MODULE) [ARGS ...]"
 )
 
@@ -665,6 +665,11 @@ def build_parser() -> argparse.ArgumentParser:
     fitting.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     fitting.add_argument("-o", "--output", metavar="PLAN", help="write the plan (JSON, memtrim.plan/1)")
     fitting.add_argument("--region", metavar="NAME", help="fit only what runs inside memtrim.region(NAME)")
+    fitting.add_argument(
+        "--fake",
+        action="store_true",
+        help="record and re-measure under FakeTensorMode: full-size models, no allocation, no numeric check",
+    )
     fitting.add_argument(
         "--allow",
         action="append",

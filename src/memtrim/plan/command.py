@@ -33,6 +33,7 @@ from memtrim.units import format_bytes
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
+    from memtrim.plan.levers import Option
 
 NO_PLAN = 3
 """Exit status when no plan fits the budget, or the plan's measured peak is over it."""
@@ -52,6 +53,23 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     return [
         "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
+
+
+def _levers_in_short(options: Sequence[Option]) -> str:
+    """A front row's levers: each by its target, a lever used more than three times by its count and
+    first and last targets (28 checkpointed blocks make one short cell, not a line per block)."""
+    if not options:
+        return "(none)"
+    by_lever: dict[str, list[str]] = {}
+    for o in options:
+        by_lever.setdefault(o.lever, []).append(o.target)
+    cells = []
+    for lever, targets in by_lever.items():
+        if len(targets) > 3:
+            cells.append(f"{lever} x{len(targets)} ({targets[0]} ... {targets[-1]})")
+        else:
+            cells += [f"{lever} {target}" for target in targets]
+    return ", ".join(cells)
 
 
 def render_plan(plan: Plan, found: Search, held_before: int = 0) -> str:
@@ -85,7 +103,7 @@ def render_plan(plan: Plan, found: Search, held_before: int = 0) -> str:
         (
             format_bytes(c.peak),
             format_cost(c.cost),
-            ", ".join(f"{o.lever} {o.target}" for o in c.options) or "(none)",
+            _levers_in_short(c.options),
         )
         for c in found.front
     ]
@@ -114,9 +132,17 @@ def render_result(plan: Plan) -> str:
     )
 
 
-def _watched(run: RunProgram, plan: Plan | None) -> tuple[Analysis | None, StepCapture]:
+FAKE_NOTE = (
+    "measured on fake tensors, which hold no values: check the numbers with memtrim fit (without --fake) "
+    "on a small config of the same model, or memtrim.fit(step, budget) in Python"
+)
+
+
+def _watched(
+    run: RunProgram, plan: Plan | None, *, fake: bool = False
+) -> tuple[Analysis | None, StepCapture]:
     seed_everything()
-    with StepCapture() as capture:
+    with StepCapture(values=not fake) as capture:  # fake tensors hold no values to copy
         if plan is None:
             analysis = run()
         else:
@@ -134,10 +160,13 @@ def fit_program(
     allow: frozenset[Keeps] = frozenset({"exact", "reference"}),
     output: str | None = None,
     out: TextIO | None = None,
+    fake: bool = False,
 ) -> int:
-    """Fit the program ``run`` runs into ``budget`` bytes; print the plan and its check; the exit status."""
+    """Fit the program ``run`` runs into ``budget`` bytes; print the plan and its check; the exit status.
+    ``fake``: ``run`` records under FakeTensorMode; the plan is re-measured so, and the numeric check is
+    not run (fake tensors hold no values)."""
     stream = out or sys.stdout
-    analysis, unplanned = _watched(run, None)
+    analysis, unplanned = _watched(run, None, fake=fake)
     if analysis is None:
         return 1
     fitted = fit_analysis(analysis, budget, allow)
@@ -148,13 +177,16 @@ def fit_program(
     held = analysis.known_at_start.get(analysis.peak.device or "", 0)
     print(render_plan(plan, fitted.search, held), file=stream, flush=True)
     exact = all(lever.keeps == "exact" for lever in plan.levers)
-    checked = None if exact else reference_check(plan, unplanned)
+    checked = None if exact or fake else reference_check(plan, unplanned)
     unplanned.release()  # the first run's models go before the second run starts
-    measured, planned = _watched(run, plan)
+    measured, planned = _watched(run, plan, fake=fake)
     if measured is None:
         return 1
     plan.measured_peak = measured.peak.bytes
-    numerics = checked or compare(plan, unplanned.captured, planned.captured, where="the program")
+    if fake:
+        numerics = Numerics("not-run", {}, FAKE_NOTE)
+    else:
+        numerics = checked or compare(plan, unplanned.captured, planned.captured, where="the program")
     if exact and numerics.verdict == "fail":
         _, again = _watched(run, None)
         if not identical(unplanned.captured, again.captured):

@@ -51,6 +51,22 @@ def _floor(analysis: Analysis, found: Search, budget: int) -> str:
         + (f" (with {len(lowest.options)} lever(s))" if lowest.options else " (no lever lowers it)")
         + (f"; at the unplanned peak memory holds {held}" if held else "")
         + f"; {format_bytes(lowest.peak)} or more would fit."
+        + _beyond_levers(roles, budget)
+    )
+
+
+def _beyond_levers(roles: dict[str, int], budget: int) -> str:
+    """Where parameters and optimizer state alone exceed the budget, what could: no recomputation,
+    loss or optimizer-step lever removes them."""
+    kept = roles.get("parameter", 0) + roles.get("optimizer_state", 0)
+    if kept <= budget:
+        return ""
+    return (
+        f" Parameters and optimizer state alone are {format_bytes(kept)}, over the budget whatever is "
+        "recomputed: shard them over several ranks (FSDP2; predict a rank's peak with "
+        "memtrim.fake_world(N)), "
+        "or keep a smaller optimizer state (torch.optim.Adafactor, which changes training; see the doctor's "
+        "optimizer-state finding)."
     )
 
 
