@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/verify.py
 	$(BIN)/python bench/fixes.py
 	$(BIN)/python bench/diagnose.py
+	$(BIN)/python bench/views.py
 	$(BIN)/python bench/doctor_gpt2.py
 	$(BIN)/python bench/doctor_fsdp.py
 	$(BIN)/python bench/doctor_tp.py

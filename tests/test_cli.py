@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -195,5 +196,10 @@ def test_run_writes_every_view(tmp_path: Path) -> None:
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     assert "traceEvents" in json.loads((tmp_path / "p.json").read_text())
     assert (tmp_path / "m.pickle").read_bytes()[:2] == b"\x80\x04"
+    # the viewer lists each alloc, each free (its free_requested/free_completed pair) and the snapshot
+    snap = pickle.loads((tmp_path / "m.pickle").read_bytes())
+    cpu = snap["device_traces"][0]
+    listed = sum(e["action"] in ("alloc", "free_completed", "snapshot") for e in cpu)
+    assert f"memtrim: m.pickle: memory_viz will list cpu (device 0): {listed:,} events" in done.stderr
     again = memtrim("export", "t.json", "--html", "again.html", cwd=tmp_path)
     assert again.returncode == 0 and (tmp_path / "again.html").exists()

@@ -94,6 +94,7 @@ def _check_views(args: argparse.Namespace) -> None:
 
 def _write_views(trace: Trace, args: argparse.Namespace) -> None:
     written = []
+    notes = []  # what a viewer will not show of a long trace, said after the files it is about
     if args.html:
         with progress("writing the HTML report"):
             trace.save_html(args.html)
@@ -106,16 +107,21 @@ def _write_views(trace: Trace, args: argparse.Namespace) -> None:
         from memtrim.report import perfetto
 
         with progress("writing the Perfetto trace"):
-            perfetto.save(trace.analysis, args.perfetto)
+            thinning = perfetto.save(trace.analysis, args.perfetto)
         written.append(args.perfetto)
+        if thinning.thinned:
+            notes.append(f"{args.perfetto} holds {thinning.text()}")
     if args.memory_viz:
         from memtrim.report import memory_viz
 
         with progress("writing the memory_viz snapshot"):
-            memory_viz.save(trace.analysis, args.memory_viz)
+            counts = memory_viz.save(trace.analysis, args.memory_viz)
         written.append(args.memory_viz)
+        notes.append(f"{args.memory_viz}: {memory_viz.viewer_note(counts)}")
     for path in written:
         print(f"memtrim: wrote {path}", file=sys.stderr)
+    for note in notes:
+        print(f"memtrim: {note}", file=sys.stderr)
 
 
 def _report(trace: Trace, args: argparse.Namespace) -> None:

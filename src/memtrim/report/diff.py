@@ -9,7 +9,7 @@ from memtrim.analysis.diff import LineChange, LineFigures, TraceDiff
 from memtrim.report.escape import safe
 from memtrim.report.html import page
 from memtrim.report.series import timeline
-from memtrim.report.svg import compare_svg, text
+from memtrim.report.svg import compare_svg, plot_columns, text
 from memtrim.trace.model import Site, shape_text, site_text
 from memtrim.units import format_bytes, format_delta
 
@@ -157,7 +157,12 @@ def to_dict(d: TraceDiff) -> dict[str, Any]:
 
 def render_html(d: TraceDiff, *, top: int = 20, names: tuple[str, str] = ("before", "after")) -> str:
     """The diff as a self-contained page: both live curves on one axis, then the tables."""
-    chart = compare_svg([(names[0], timeline(d.before)), (names[1], timeline(d.after))])
+    chart = compare_svg(
+        [
+            (names[0], timeline(d.before, buckets=plot_columns())),
+            (names[1], timeline(d.after, buckets=plot_columns())),
+        ]
+    )
     body = [
         f"<h1>memtrim diff: peak {text(format_bytes(d.peak[0]))} → {text(format_bytes(d.peak[1]))} "
         f"({text(format_delta(*d.peak))})</h1>"

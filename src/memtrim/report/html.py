@@ -16,7 +16,7 @@ from typing import Any
 from memtrim.analysis import Analysis, Role
 from memtrim.doctor import diagnoses
 from memtrim.report.series import Layer, Timeline, timeline
-from memtrim.report.svg import layer_colors, text, timeline_svg
+from memtrim.report.svg import layer_colors, plot_columns, text, timeline_svg
 from memtrim.report.terminal import KEEPS_TEXT
 from memtrim.trace.model import Allocation, Site, shape_text, site_text
 from memtrim.trace.notes import COMPILED_BANNER, COMPILED_KEY
@@ -354,7 +354,7 @@ def _timeline_card(tl: Timeline, *, interactive: bool) -> str:
 
 def report_html(analysis: Analysis, *, top: int = 10, title: str = "memtrim report") -> str:
     """The full report as one self-contained HTML page."""
-    tl = timeline(analysis)
+    tl = timeline(analysis, buckets=plot_columns())
     body = [
         *headline(analysis),
         _timeline_card(tl, interactive=True),
@@ -382,7 +382,7 @@ def page(title: str, body: str, data: dict[str, Any] | None = None) -> str:
 def notebook_html(analysis: Analysis, *, top: int = 3) -> str:
     """The compact report a notebook shows for a trace: the headline, the role timeline (static SVG, no
     script), the top lines at the peak and the fixes."""
-    tl = timeline(analysis, buckets=300)
+    tl = timeline(analysis, buckets=plot_columns())
     parts = [
         '<div class="memtrim-trace" style="font:13px/1.4 system-ui,sans-serif;max-width:980px">',
         *(p.replace("<h1>", '<h1 style="font-size:16px;margin:4px 0">', 1) for p in headline(analysis)),

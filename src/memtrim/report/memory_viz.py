@@ -17,11 +17,17 @@ What the viewer needs, and how it is met:
   one, and the viewer files those under ``unknown``, which must then be a category: a final
   ``snapshot`` entry carries it;
 - a tensor from before the region freed inside it is a free with no alloc.
+
+Long traces: the viewer keeps every event in the page, and issue 22 reports it dropping events past about
+:data:`VIEWER_EVENT_LIMIT`; :func:`save` returns how many events it will list per device
+(:func:`viewer_events`, counted by its own rule: a ``free_requested`` followed by the same block's
+``free_completed`` is one ``free``), and ``memtrim export --memory-viz`` prints it (:func:`viewer_note`).
 """
 
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 from memtrim.analysis import Analysis
@@ -32,6 +38,25 @@ from memtrim.trace.model import Allocation, shape_text
 PROTOCOL = 4
 BASE_ADDRESS = 0x7F0000000000
 UNKNOWN = "unknown"
+VIEWER_EVENT_LIMIT = 600_000
+"""Events per device past which pytorch.org/memory_viz is known to drop events (issue 22's figure: the
+viewer holds every event, and its page gives out near there; MemoryViz.js has no such constant)."""
+VIEWER_DRAWN_ALLOCATIONS = 15_000
+"""Allocations its Active Memory Timeline draws by default, the largest (``create_trace_view``'s
+``max_entries`` in MemoryViz.js; the rest are summed into one band, its Detail slider draws more)."""
+
+
+@dataclass(frozen=True)
+class ViewerEvents:
+    """What the viewer will list for one device of a snapshot."""
+
+    device: str
+    index: int
+    """The device number the viewer's device menu shows (:func:`device_indices`)."""
+    events: int
+    """Entries after its own merging of each ``free_requested``/``free_completed`` pair into a ``free``."""
+    allocations: int
+    """``alloc`` entries: blocks its Active Memory Timeline can draw."""
 
 
 def device_indices(devices: list[str]) -> dict[str, int]:
@@ -177,11 +202,64 @@ def snapshot(analysis: Analysis) -> dict[str, Any]:
     return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
+def viewer_events(snap: dict[str, Any], devices: dict[int, str]) -> list[ViewerEvents]:
+    """Per device with events, what the viewer lists, counted by its own rule (``annotate_snapshot`` in
+    MemoryViz.js): a ``free_completed`` right after a ``free_requested`` of the same address is merged
+    into it, every other entry is one event. ``devices`` names each device index."""
+    found = []
+    for index, trace in enumerate(snap["device_traces"]):
+        events = allocations = 0
+        previous: dict[str, Any] | None = None
+        for entry in trace:
+            action = entry["action"]
+            merged = (
+                action == "free_completed"
+                and previous is not None
+                and previous["action"] == "free_requested"
+                and previous["addr"] == entry["addr"]
+            )
+            if not merged:
+                events += 1
+                allocations += action == "alloc"
+                previous = entry
+            else:
+                previous = None  # the pair is one "free" now; nothing merges into it
+        if trace:
+            found.append(ViewerEvents(devices.get(index, str(index)), index, events, allocations))
+    return found
+
+
+def viewer_note(counts: list[ViewerEvents]) -> str:
+    """What ``memtrim export --memory-viz`` prints: per device, the events the viewer will list, and
+    what to do when they pass :data:`VIEWER_EVENT_LIMIT`."""
+    parts = []
+    for c in counts:
+        over = (
+            f", more than the about {VIEWER_EVENT_LIMIT:,} past which its viewer is known to drop events "
+            "(record fewer steps with memtrim.track(steps=N), or a smaller memtrim.region, to see them all)"
+            if c.events > VIEWER_EVENT_LIMIT
+            else ""
+        )
+        drawn = (
+            f"; its Active Memory Timeline draws the {VIEWER_DRAWN_ALLOCATIONS:,} largest of "
+            f"{c.allocations:,} allocations at first (its Detail slider draws more)"
+            if c.allocations > VIEWER_DRAWN_ALLOCATIONS
+            else ""
+        )
+        parts.append(f"{c.device} (device {c.index}): {c.events:,} events{over}{drawn}")
+    return "memory_viz will list " + ("; ".join(parts) if parts else "no events")
+
+
 def dumps(analysis: Analysis) -> bytes:
     return pickle.dumps(snapshot(analysis), protocol=PROTOCOL)
 
 
-def save(analysis: Analysis, path: str) -> None:
-    """Write the snapshot pickle to ``path`` atomically (open it at pytorch.org/memory_viz)."""
+def save(analysis: Analysis, path: str) -> list[ViewerEvents]:
+    """Write the snapshot pickle to ``path`` atomically (open it at pytorch.org/memory_viz); returns
+    what the viewer will list per device (:func:`viewer_events`)."""
     with collector_paused():
-        write_bytes_atomically(path, dumps(analysis))
+        snap = snapshot(analysis)
+        write_bytes_atomically(path, pickle.dumps(snap, protocol=PROTOCOL))
+        names = device_indices(sorted({a.device for a in analysis.allocations}))
+        devices = {index: device for device, index in names.items()}
+        return viewer_events(snap, devices)

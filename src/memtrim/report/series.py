@@ -1,20 +1,28 @@
 """The live-memory timeline as the pictures draw it: bytes by role (or by source line) over the op
 sequence, with the phases, the regions and the peak, read from an :class:`~memtrim.analysis.Analysis`.
 
-One pass over the headline device's :class:`~memtrim.analysis.LiveCurve`. Long traces are thinned to a
-few points per pixel: each bucket of the op axis keeps its lowest and its highest moment, so the peak
-(and every dip) survives exactly. The HTML report, the notebook view and the PNG all read this.
+Read from the headline device's :class:`~memtrim.analysis.LiveCurve`. A trace with more than two
+events per bucket is thinned: the op axis is cut into ``buckets`` equal stretches (the HTML and the
+notebook pass one per pixel column of the chart, :func:`memtrim.report.svg.plot_columns`) and each keeps
+its first lowest and first highest moment (:mod:`memtrim.report.downsample`), so the peak, at its op,
+and every dip survive exactly. The HTML report, the notebook view, the diff and the PNG all read this.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
-from memtrim.analysis import Analysis, Role
+from memtrim.analysis import Analysis, LiveCurve, Role
+from memtrim.report.downsample import extremes, starts_at, sums_at
 from memtrim.trace.model import Site, site_text
 
 OTHER_LINES = "other lines"
+BEFORE_REGION = len(Role)
+"""The role slot of tensors from before the region (see :func:`role_slots`)."""
 
 
 @dataclass(frozen=True)
@@ -71,28 +79,20 @@ def op_index(op_ticks: list[int], tick: int) -> int:
     return max(0, bisect.bisect_right(op_ticks, tick) - 1)
 
 
-def _kept(xs: list[int], live: list[int], ops: int, buckets: int) -> list[int]:
-    """Event indices to draw: per bucket of the op axis, the lowest and the highest moment."""
-    if len(xs) <= 2 * buckets:
-        return list(range(len(xs)))
-    width = max(ops, 1) / buckets
-    keep: list[int] = []
-    bucket, low, high = -1, 0, 0
-    for i, x in enumerate(xs):
-        b = int(x / width)
-        if b != bucket:
-            if bucket >= 0:
-                keep.extend(sorted({low, high}))
-            bucket, low, high = b, i, i
-        else:
-            if live[i] < live[low]:
-                low = i
-            if live[i] > live[high]:
-                high = i
-    keep.extend(sorted({low, high}))
-    if keep[-1] != len(xs) - 1:
-        keep.append(len(xs) - 1)
-    return keep
+def bucket_starts(op_ticks: Sequence[int], event_ticks: Sequence[int], buckets: int) -> list[int]:
+    """Where each of ``buckets`` equal stretches of the op axis starts, as an index of the events:
+    bucket ``b`` holds the events of ops ``ceil(b * ops / buckets)`` up to the next bucket's first op."""
+    n_ops = len(op_ticks)
+    firsts = sorted({-(-b * n_ops // buckets) for b in range(1, buckets)} - {0, n_ops})
+    return [0, *starts_at(event_ticks, (op_ticks[k] for k in firsts))]
+
+
+def _kept(op_ticks: Sequence[int], curve: LiveCurve, buckets: int) -> list[int]:
+    """Event indices to draw: every event when there are few; else, per bucket of the op axis, the
+    lowest and the highest moment (see :mod:`memtrim.report.downsample`)."""
+    if len(curve.ticks) <= 2 * buckets:
+        return list(range(len(curve.ticks)))
+    return extremes(curve.live, bucket_starts(op_ticks, curve.ticks, buckets))
 
 
 def line_layers_for(analysis: Analysis, count: int) -> list[Site | None]:
@@ -110,68 +110,67 @@ def line_layers_for(analysis: Analysis, count: int) -> list[Site | None]:
     return chosen
 
 
-def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timeline:
-    """The headline device's timeline (see the module docstring)."""
-    log = analysis.log
-    curve = analysis.curve()
-    op_ticks = [row.tick for row in log.ops.rows]
-    n_ops = len(op_ticks)
+def role_slots(analysis: Analysis, curve: LiveCurve) -> list[int]:
+    """Per event of ``curve``, the slot of its allocation's role: ``list(Role).index(role)``, or
+    ``len(Role)`` (:data:`BEFORE_REGION`) for a tensor from before the region (its free)."""
+    allocations, roles = analysis.allocations, analysis.roles
+    slot_of = {role: i for i, role in enumerate(Role)}
+    return [BEFORE_REGION if allocations[ident].preexisting else slot_of[roles[ident]] for ident in curve.ids]
+
+
+def _line_slots(analysis: Analysis, curve: LiveCurve, line_sites: Sequence[Site | None]) -> list[int]:
+    """Per event of ``curve``, the slot of its allocation's line: its index in ``line_sites``, else
+    ``len(line_sites)`` ("other lines"), or one more for a tensor from before the region."""
     allocations = analysis.allocations
-    roles = analysis.roles
-    xs = [op_index(op_ticks, t) for t in curve.ticks]
-    keep = _kept(xs, curve.live, n_ops, buckets)
-
-    line_sites = line_layers_for(analysis, lines)
-    line_slot = {site: i for i, site in enumerate(line_sites)}
-    role_order = list(Role)
-    role_slot = {role: i for i, role in enumerate(role_order)}
-    role_sums = [0] * len(role_order)
-    line_sums = [0] * (len(line_sites) + 1)
-    freed = 0
-
-    out_x: list[float] = [0.0]
-    out_ticks: list[int] = [-1]
-    out_total: list[int] = [0]
-    out_roles: list[list[int]] = [[0] for _ in role_order]
-    out_lines: list[list[int]] = [[0] for _ in line_sums]
-    out_freed: list[int] = [0]
-    wanted = iter(keep)
-    next_kept = next(wanted, None)
-    for i, (delta, ident) in enumerate(zip(curve.deltas, curve.ids, strict=True)):
+    wanted = {site: i for i, site in enumerate(line_sites)}
+    other, before = len(line_sites), len(line_sites) + 1
+    by_object: dict[int, int] = {}  # id(site) -> its slot: a Site's own hash is Python code, id() is not
+    slots = []
+    for ident in curve.ids:
         a = allocations[ident]
         if a.preexisting:
-            freed -= delta
-        else:
-            role_sums[role_slot[roles[ident]]] += delta
-            line_sums[line_slot.get(a.site, len(line_sites))] += delta
-        if i == next_kept:
-            out_x.append(float(xs[i]))
-            out_ticks.append(curve.ticks[i])
-            out_total.append(curve.live[i])
-            for slot, value in enumerate(role_sums):
-                out_roles[slot].append(value)
-            for slot, value in enumerate(line_sums):
-                out_lines[slot].append(value)
-            out_freed.append(freed)
-            next_kept = next(wanted, None)
+            slots.append(before)
+            continue
+        key = id(a.site)
+        slot = by_object.get(key)
+        if slot is None:
+            slot = by_object[key] = wanted.get(a.site, other)
+        slots.append(slot)
+    return slots
+
+
+def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timeline:
+    """The headline device's timeline, at most about ``2 * buckets`` points (see the module docstring)."""
+    log = analysis.log
+    curve = analysis.curve()
+    rows = log.ops.rows
+    op_ticks = list(map(attrgetter("tick"), rows))
+    n_ops = len(op_ticks)
+    keep = _kept(op_ticks, curve, buckets)
+
+    line_sites = line_layers_for(analysis, lines)
+    role_order = list(Role)
+    role_sums = sums_at(curve.deltas, role_slots(analysis, curve), len(role_order) + 1, keep)
+    line_sums = sums_at(curve.deltas, _line_slots(analysis, curve, line_sites), len(line_sites) + 2, keep)
 
     by_role = tuple(
-        Layer(role.value, tuple(values))
-        for role, values in zip(role_order, out_roles, strict=True)
+        Layer(role.value, (0, *values))
+        for role, values in zip(role_order, role_sums, strict=False)
         if any(values)
     )
     names = [site_text(site) for site in line_sites] + [OTHER_LINES]
     by_line = tuple(
-        Layer(name, tuple(values)) for name, values in zip(names, out_lines, strict=True) if any(values)
+        Layer(name, (0, *values)) for name, values in zip(names, line_sums, strict=False) if any(values)
     )
 
     phases: list[Span] = []
-    for i, row in enumerate(log.ops.rows):
-        if phases and phases[-1].name == row.phase.value:
-            continue
-        if phases:
-            phases[-1] = Span(phases[-1].name, phases[-1].start, float(i))
-        phases.append(Span(row.phase.value, float(i), float(n_ops)))
+    first = 0
+    for phase, run in itertools.groupby(map(attrgetter("phase"), rows)):
+        count = sum(1 for _ in run)
+        phases.append(Span(phase.value, float(first), float(first + count)))
+        first += count
+    if phases:  # the last phase runs to the end of the axis
+        phases[-1] = Span(phases[-1].name, phases[-1].start, float(n_ops))
 
     regions: list[Span] = []
     for r in log.regions:
@@ -182,15 +181,16 @@ def timeline(analysis: Analysis, *, buckets: int = 600, lines: int = 8) -> Timel
 
     peak = analysis.peak
     peak_x = float(op_index(op_ticks, peak.tick)) if peak.tick is not None else None
+    ticks, live = curve.ticks, curve.live
     return Timeline(
         device=curve.device,
         ops=n_ops,
-        x=tuple(out_x),
-        ticks=tuple(out_ticks),
-        total=tuple(out_total),
+        x=(0.0, *(float(op_index(op_ticks, ticks[i])) for i in keep)),
+        ticks=(-1, *(ticks[i] for i in keep)),
+        total=(0, *(live[i] for i in keep)),
         by_role=by_role,
         by_line=by_line,
-        freed_before=tuple(out_freed),
+        freed_before=(0, *(-v for v in role_sums[-1])),
         phases=tuple(phases),
         regions=tuple(regions),
         peak_x=peak_x,

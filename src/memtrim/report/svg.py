@@ -94,10 +94,23 @@ class Plot:
         return (px - self.left) / (self.width - self.left - self.right) * self.x_max
 
 
+WIDTH = 960
+"""The pictures' width in SVG units (the page scales it to fit)."""
+LEFT, RIGHT = 78, 16
+"""The margins left and right of the plotting area (the byte axis' labels, a gap)."""
+
+
+def plot_columns(width: int = WIDTH) -> int:
+    """The pixel columns of the plotting area of a picture ``width`` wide: the buckets a timeline is
+    thinned to (:func:`memtrim.report.series.timeline`), so each column keeps its lowest and highest
+    moment and no column's extremes are lost."""
+    return width - LEFT - RIGHT
+
+
 def plot_for(x_max: float, y_min: float, y_max: float, width: int, height: int, bands: int = 0) -> Plot:
     y_max = max(y_max, 1.0) * 1.06
     y_min = y_min * 1.06 if y_min < 0 else 0.0
-    return Plot(width, height + 18 * bands, 78, 16, 22, 38 + 18 * bands, max(x_max, 1.0), y_min, y_max)
+    return Plot(width, height + 18 * bands, LEFT, RIGHT, 22, 38 + 18 * bands, max(x_max, 1.0), y_min, y_max)
 
 
 def _steps(xs: Sequence[float], ys: Sequence[float], plot: Plot) -> list[str]:
@@ -223,7 +236,7 @@ def _stack(tl: Timeline, layers: Sequence[Layer], colors: Sequence[str], plot: P
     return out
 
 
-def timeline_svg(tl: Timeline, *, mode: str = "role", width: int = 960, height: int = 320) -> str:
+def timeline_svg(tl: Timeline, *, mode: str = "role", width: int = WIDTH, height: int = 320) -> str:
     """The stacked timeline by ``mode`` (``"role"`` or ``"line"``), phases shaded, regions below the
     axis, the peak marked, and the live curve above the region's start drawn on top."""
     layers = tl.by_role if mode == "role" else tl.by_line
@@ -251,7 +264,7 @@ def timeline_svg(tl: Timeline, *, mode: str = "role", width: int = 960, height: 
 COMPARE_COLORS = ("#4e79a7", "#e15759")
 
 
-def compare_svg(curves: Sequence[tuple[str, Timeline]], *, width: int = 960, height: int = 300) -> str:
+def compare_svg(curves: Sequence[tuple[str, Timeline]], *, width: int = WIDTH, height: int = 300) -> str:
     """Two (or more) live curves on one axis, each with its peak marked."""
     x_max = max((tl.ops for _, tl in curves), default=1)
     top = max((max(tl.total, default=0) for _, tl in curves), default=0)
