@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/memtrim demo
 	$(BIN)/memtrim demo gpt
+	$(BIN)/memtrim fit --budget 160MiB -m memtrim.cases.gpt_train
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -84,7 +84,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``F.cross_entropy(hidden @ weight.T + bias, target, ignore_index=-100)`` (mean) one
     ``[chunk, vocab]`` tile at a time, in plain PyTorch: a stand-in for
     ``memtrim.fixes.chunked_linear_cross_entropy`` with the same memory plan (one tile in forward, one in
-    backward, the logits recomputed there, the softmax in fp32, an fp32 weight gradient for fp16/bf16)."""
+    backward, the logits recomputed there, the softmax in fp32; for fp16/bf16 the weight's gradient in
+    its own dtype where one tile holds every token, as the fix's do, and summed in fp32 otherwise)."""
 
     @staticmethod
     def _logits(tile, low, hidden, weight, bias):  # type: ignore[no-untyped-def]
@@ -122,7 +123,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, valid, lse, count = ctx.saved_tensors
         tokens, chunk, acc = hidden.shape[0], ctx.chunk, torch.float32
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=acc)
+        one_tile = chunk >= tokens
+        grad_weight = torch.empty(weight.shape, dtype=weight.dtype if one_tile else acc)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc)
         tile = torch.empty(chunk, weight.shape[0], dtype=acc)
         low = torch.empty(chunk, weight.shape[0], dtype=hidden.dtype) if hidden.dtype != acc else None
@@ -135,7 +137,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             t.mul_(valid[s:e, None] * scale)
             g_tile = t if low is None else low[: e - s].copy_(t)
             torch.mm(g_tile, weight, out=grad_hidden[s:e])
-            grad_weight.addmm_(t.t(), hidden[s:e].to(acc))
+            if one_tile:
+                torch.mm(g_tile.t(), hidden, out=grad_weight)
+            elif s == 0:
+                torch.mm(t.t(), hidden[s:e].to(acc), out=grad_weight)
+            else:
+                grad_weight.addmm_(t.t(), hidden[s:e].to(acc))
             if grad_bias is not None:
                 grad_bias += t.sum(0)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)

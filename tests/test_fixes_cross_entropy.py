@@ -389,3 +389,12 @@ def test_on_cuda_it_matches_the_unfused_loss() -> None:  # pragma: no cover - no
         **QUIET,
     )
     r.assert_ok()
+
+
+@given(st.integers(1, 10**6), st.integers(1, 300_000), st.integers(1, 4096))
+def test_the_doctors_copy_of_the_tiling_is_the_fixes(tokens: int, vocab: int, chunk: int) -> None:
+    # the doctor may not import the fixes (tests/test_architecture.py): it predicts with its own copy
+    from memtrim.doctor.rules import loss
+
+    assert loss.MIN_COLUMNS == MIN_COLUMNS
+    assert loss._tiling(tokens, vocab, chunk) == tiling(tokens, vocab, chunk)

@@ -2,7 +2,7 @@
 cache-in-training finding) and ``chunked-loss`` (its logits-cross-entropy finding on the model's own
 loss), each predicted on the recording, applied by ``memtrim.applied`` to the live model, and measured
 with torch.profiler's allocation events; the numeric check bit for bit (exact) or by
-``memtrim.verify_fix``'s rounding budget (reference)."""
+``memtrim.verify.verify_fix``'s rounding budget (reference)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@
   fp32, ``num_items_in_batch``).
 - :func:`chunked_loss`: ``handle = chunked_loss(model)`` makes a transformers causal LM's ``.loss`` chunked
   (``.logits`` is None when ``labels`` are passed); ``handle.remove()`` undoes it.
+- :func:`chunked_head_loss`: ``handle = chunked_head_loss(model.lm_head)`` makes a plain-code
+  ``F.cross_entropy(model(x).logits.view(-1, V), y)`` chunked without changing the training code (the
+  layer returns deferred logits); ``handle.remove()`` undoes it.
 - :func:`checkpoint_modules`: activation checkpointing on the modules named by a pattern
   (``"transformer.h.*"``), bit-exact, undoable.
 - :func:`optimizer_in_backward`: the optimizer's step run per parameter inside backward, each gradient
@@ -19,16 +22,20 @@ from memtrim.fixes.cross_entropy import (
     causal_lm_cross_entropy,
     chunked_linear_cross_entropy,
 )
+from memtrim.fixes.head_loss import ChunkedHeadLossHandle, DeferredLogits, chunked_head_loss
 from memtrim.fixes.hf_loss import ChunkedLossHandle, chunked_loss
 from memtrim.fixes.optimizer import OptimizerInBackwardHandle, optimizer_in_backward
 
 __all__ = [
     "CheckpointHandle",
+    "ChunkedHeadLossHandle",
     "ChunkedLossHandle",
+    "DeferredLogits",
     "OptimizerInBackwardHandle",
     "auto_chunk_size",
     "causal_lm_cross_entropy",
     "checkpoint_modules",
+    "chunked_head_loss",
     "chunked_linear_cross_entropy",
     "chunked_loss",
     "glob_to_regex",

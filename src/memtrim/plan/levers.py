@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memtrim.analysis.whatif import Added, Edits
 from memtrim.doctor import diagnoses
 from memtrim.doctor.diagnosis import Keeps
 from memtrim.doctor.rules.checkpoint import block_recomputes
+from memtrim.doctor.rules.loss import head_losses
 from memtrim.fixes.checkpoint import checkpoint_modules
+from memtrim.fixes.head_loss import chunked_head_loss
 from memtrim.fixes.hf_loss import chunked_loss
 from memtrim.registry import Registry
 from memtrim.trace.model import Phase
@@ -70,6 +73,21 @@ class Lever:
     (or before its first step there, for one built later); an undo, or None where it does not apply."""
     install: Callable[[Uses], Undo] | None = None
     """Apply them once for the whole block (a change of torch.optim's own behaviour); the undo."""
+    probes: Callable[[nn.Module, Uses], list[Probe]] | None = None
+    """For a module lever whose change the model's own output does not show (the loss is computed
+    outside the model): what ``memtrim.verify.verify_fix`` checks instead of the model's call, for a model
+    the program called; empty where the model is not what the uses name."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One ``memtrim.verify.verify_fix(module, fix, batch, loss=loss)``: a lever proven on a model's part."""
+
+    what: str
+    module: nn.Module
+    fix: Callable[[nn.Module], object]
+    batch: tuple[Any, ...]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
 
 
 LEVERS: Registry[str, Lever] = Registry("plan lever", "memtrim.plan.levers.LEVERS.add(name, Lever(...))")
@@ -195,6 +213,114 @@ def _chunked_loss_apply(module: nn.Module, params: Uses) -> Undo | None:
 LEVERS.add(
     "chunked-loss",
     Lever("chunked-loss", "reference", _chunked_loss_options, _chunked_loss_code, apply=_chunked_loss_apply),
+)
+
+
+# -- the chunked loss of a plain-code head: F.cross_entropy(model(x).logits.view(-1, V), y) ----------
+def _attribute_path(module_path: str) -> str:
+    """The attribute path below the root of a recorded module path (``GPT.lm_head`` -> ``lm_head``;
+    ``Net#2.head#1`` -> ``head``: the ``#n`` tell repeated calls apart, not attributes)."""
+    return ".".join(segment.partition("#")[0] for segment in module_path.split(".")[1:])
+
+
+def _head_loss_options(analysis: Analysis) -> list[Option]:
+    options = []
+    for loss in head_losses(analysis):
+        root, module = _finding_root(loss.head), _attribute_path(loss.head)
+        params = {
+            "model": root,
+            "module": module,
+            "chunk_size": loss.chunk,
+            "weight_shape": list(loss.weight_shape),
+            "upcast": loss.upcast,
+            "tokens": loss.tokens,
+        }
+        options.append(Option("chunked-head-loss", loss.head, params, "reference", loss.flops, loss.edits))
+    return options
+
+
+def _head_loss_code(params: Uses) -> str:
+    return "\n".join(
+        f"handle = memtrim.fixes.chunked_head_loss(model.{p['module']}, chunk_size={p['chunk_size']})"
+        f"  # model: your {p['model']}"
+        for p in params
+    )
+
+
+def _head_layers(module: nn.Module, params: Uses) -> list[tuple[nn.Linear, dict[str, Any]]]:
+    """The plan's heads in ``module`` (the model they were recorded in), each with its use."""
+    found = []
+    for p in params:
+        if type(module).__name__ != p["model"]:
+            continue
+        try:
+            layer = module.get_submodule(str(p["module"]))
+        except AttributeError:
+            continue
+        weight = getattr(layer, "weight", None)
+        if (
+            isinstance(layer, nn.Linear)
+            and type(layer).forward is nn.Linear.forward
+            and isinstance(weight, torch.Tensor)
+            and list(weight.shape) == list(p["weight_shape"])
+            and "forward" not in layer.__dict__  # patched already: a second use of the same layer
+        ):
+            found.append((layer, p))
+    return found
+
+
+def _head_loss_apply(module: nn.Module, params: Uses) -> Undo | None:
+    undos = [
+        chunked_head_loss(layer, chunk_size=p["chunk_size"]).remove
+        for layer, p in _head_layers(module, params)
+    ]
+    if not undos:
+        return None
+
+    def undo() -> None:
+        for remove in reversed(undos):
+            remove()
+
+    return undo
+
+
+def _head_loss_probes(module: nn.Module, params: Uses) -> list[Probe]:
+    """The chunked loss against ``F.cross_entropy`` of the layer's own logits, on the layer's weights:
+    random hidden states for several chunks and a ragged last one, targets with an ignored token, the
+    fp32 upcast where the program made one."""
+    probes = []
+    for layer, p in _head_layers(module, params):
+        chunk, vocab = int(p["chunk_size"]), layer.out_features
+        tokens = max(2, min(int(p["tokens"]), 2 * chunk + chunk // 2 + 1))
+        generator = torch.Generator().manual_seed(0)
+        weight = layer.weight
+        hidden = torch.randn(tokens, layer.in_features, generator=generator).to(weight.device, weight.dtype)
+        target = torch.randint(0, vocab, (tokens,), generator=generator).to(weight.device)
+        target[tokens // 2] = -100  # F.cross_entropy's default ignore_index
+        upcast = bool(p["upcast"])
+
+        def loss(m: nn.Module, batch: Any, upcast: bool = upcast, vocab: int = vocab) -> torch.Tensor:
+            logits = m(batch[0])
+            logits = logits.float() if upcast else logits
+            return F.cross_entropy(logits.view(-1, vocab), batch[1])
+
+        def fix(m: nn.Module, chunk: int = chunk) -> object:
+            return chunked_head_loss(m, chunk_size=chunk)  # type: ignore[arg-type]
+
+        probes.append(Probe(f"{p['model']}.{p['module']}", layer, fix, (hidden, target), loss))
+    return probes
+
+
+LEVERS.add(
+    "chunked-head-loss",
+    Lever(
+        "chunked-head-loss",
+        "reference",
+        _head_loss_options,
+        _head_loss_code,
+        apply=_head_loss_apply,
+        probes=_head_loss_probes,
+    ),
 )
 
 

@@ -177,7 +177,7 @@ def compare(plan: Plan, unplanned: Captured, planned: Captured, *, where: str) -
         return Numerics(
             "not-run",
             note=f"{', '.join(sorted(set(not_exact)))} keeps rounding, not bits: a bit-for-bit check "
-            "cannot judge it; prove it with memtrim.verify_fix",
+            "cannot judge it; prove it with memtrim.verify.verify_fix",
         )
     if not unplanned.losses and not unplanned.gradients:
         return Numerics("not-run", note=f"{where}: no backward() ran, so there was nothing to compare")
@@ -236,15 +236,21 @@ def reference_check(plan: Plan, capture: StepCapture) -> Numerics:
     return Numerics(verdict, differences, note="; ".join(c.note for c in ran))
 
 
+_CHECKED = "memtrim.verify.verify_fix (reference): "
+
+
 def _models_check(plan: Plan, capture: StepCapture) -> Numerics | None:
-    """verify_fix of each called model the plan's module levers change (None: none is)."""
+    """verify_fix of each called model the plan's module levers change (None: none is). A lever with
+    probes (a change the model's output does not show) is checked by its probes instead."""
     from memtrim.plan.levers import LEVERS
     from memtrim.verify.fix import verify_fix
 
     uses: dict[str, list[dict[str, Any]]] = {}
+    probed: dict[str, list[dict[str, Any]]] = {}
     for lever in plan.levers:
-        if LEVERS[lever.lever].apply is not None:
-            uses.setdefault(lever.lever, []).append(lever.params)
+        known = LEVERS[lever.lever]
+        if known.apply is not None:
+            (probed if known.probes is not None else uses).setdefault(lever.lever, []).append(lever.params)
 
     def changed(model: nn.Module) -> list[Any]:
         found = []
@@ -256,22 +262,8 @@ def _models_check(plan: Plan, capture: StepCapture) -> Numerics | None:
 
     checked, notes = 0, []
     differences: dict[str, float] = {}
-    for model, args, kwargs in capture.calls if uses else ():
-        with _disable_current_modes():
-            probe = copy.deepcopy(model)
-        if not changed(probe):
-            continue  # not a model the plan changes
-        if args and kwargs:
-            return Numerics(
-                "not-run",
-                note=f"{type(model).__name__} was called with positional and keyword "
-                "arguments; check it with memtrim.verify_fix(model, fix, batch)",
-            )
-        try:
-            report = verify_fix(model, changed, kwargs or args, mode="reference")
-        except (TypeError, ValueError) as error:
-            return Numerics("not-run", note=f"{type(model).__name__}: {error}")
-        checked += 1
+
+    def count(report: Any, what: str) -> None:
         for case in report.cases:
             for q in case.quantities:
                 key = {"output": "loss", "grad": "gradients"}.get(q.kind, "buffers")
@@ -279,12 +271,40 @@ def _models_check(plan: Plan, capture: StepCapture) -> Numerics | None:
                 if q.budget_used is not None:
                     used = differences.get("budget_used", 0.0)
                     differences["budget_used"] = max(used, _finite(q.budget_used))
-        notes.append(f"{type(model).__name__}: {'passed' if report.passed else 'FAILED'}")
+        notes.append(f"{what}: {'passed' if report.passed else 'FAILED'}")
+
+    for model, args, kwargs in capture.calls if uses or probed else ():
+        for name, params in probed.items():
+            make = LEVERS[name].probes
+            for probe in make(model, params) if make is not None else ():
+                report = verify_fix(probe.module, probe.fix, probe.batch, loss=probe.loss, mode="reference")
+                checked += 1
+                count(report, f"{name} on {probe.what}")
+                if not report.passed:
+                    return Numerics("fail", differences, note=_CHECKED + "; ".join(notes))
+        if not uses:
+            continue
+        with _disable_current_modes():
+            probe_model = copy.deepcopy(model)
+        if not changed(probe_model):
+            continue  # not a model the plan changes
+        if args and kwargs:
+            return Numerics(
+                "not-run",
+                note=f"{type(model).__name__} was called with positional and keyword "
+                "arguments; check it with memtrim.verify.verify_fix(model, fix, batch)",
+            )
+        try:
+            report = verify_fix(model, changed, kwargs or args, mode="reference")
+        except (TypeError, ValueError) as error:
+            return Numerics("not-run", note=f"{type(model).__name__}: {error}")
+        checked += 1
+        count(report, type(model).__name__)
         if not report.passed:
-            return Numerics("fail", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
+            return Numerics("fail", differences, note=_CHECKED + "; ".join(notes))
     if not checked:
         return None
-    return Numerics("pass", differences, note="memtrim.verify_fix (reference): " + "; ".join(notes))
+    return Numerics("pass", differences, note=_CHECKED + "; ".join(notes))
 
 
 def identical(a: Captured, b: Captured) -> bool:

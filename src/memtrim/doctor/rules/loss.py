@@ -48,6 +48,19 @@ def bytes_per_logit(dtype: str) -> int:
     return 4 + size if dtype in HALF else size
 
 
+MIN_COLUMNS = 512
+"""As ``memtrim.fixes.cross_entropy.MIN_COLUMNS``: a tile spans all tokens when that leaves it this many
+vocabulary columns."""
+
+
+def _tiling(tokens: int, vocab: int, chunk: int) -> tuple[int, int]:
+    """The ``(rows, columns)`` of the fix's tiles of ``chunk * vocab`` logits
+    (``memtrim.fixes.cross_entropy.tiling``; a test holds the two equal)."""
+    budget = chunk * vocab
+    rows = tokens if tokens * min(vocab, MIN_COLUMNS) <= budget else max(chunk, budget // MIN_COLUMNS)
+    return rows, min(vocab, budget // rows)
+
+
 def chunk_size(tokens: int, vocab: int, hidden: int, dtype: str) -> int:
     """Tokens per tile: the largest multiple of 8 whose ``[chunk, vocab]`` tile fits within
     ``max(weight bytes / 8, 8 MiB)`` (at least 8, at most ``tokens``)."""
@@ -169,7 +182,8 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
 def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], Edits]:
     """The what-if of the chunked loss: no ``[tokens, vocab]`` buffer at all; one tile from the
     logits' matmul to the nll_loss, one during backward's gradients of them, the log-sum-exp per token
-    between the two, and for fp16/bf16 the fp32 weight gradient during backward."""
+    between the two, and for fp16/bf16 the fp32 sum of a block of the weight's gradient where the tiles
+    split the tokens."""
     removed: list[Allocation] = []
     added: list[Added] = []
     free_at: dict[int, float | None] = {}
@@ -187,8 +201,10 @@ def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], E
         end = max(ends) if len(ends) == len(loss.backward) else None
         added.append(Added(tile, begin, end))
         added.append(Added(loss.tokens * 4, start, end))
-        if loss.logits.dtype in HALF:
-            added.append(Added(4 * numel(loss.weight), begin, end))
+        rows, columns = _tiling(loss.tokens, loss.vocab, chunk)
+        if loss.logits.dtype in HALF and rows < loss.tokens:
+            # the tiles split the tokens: a [columns, H] block of the weight's gradient sums over them in fp32
+            added.append(Added(4 * columns * loss.width, begin, end))
         if loss.steps.softcap is not None:  # the softcap's derivative, a second tile in backward
             accumulate = 4 if loss.logits.dtype in HALF else ITEMSIZE.get(loss.logits.dtype, 4)
             added.append(Added(chunk * loss.vocab * accumulate, begin, end))
@@ -329,6 +345,51 @@ def _chain_reasons(chain: LogitChain) -> tuple[str, ...]:
 def _in_transformers_loss(site: Site | None) -> bool:
     """The loss ran in transformers' own loss functions (``transformers/loss/loss_utils.py``)."""
     return site is not None and "transformers/loss/" in site.file.replace("\\", "/")
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """A plain-code ``F.cross_entropy`` of a layer's logits with nothing between but views and copies
+    (``.float()``): what ``memtrim.fixes.chunked_head_loss(model.<head>)`` takes over with no change to
+    the training code (the plan's ``chunked-head-loss`` lever)."""
+
+    head: str
+    """The recorded module path of the layer that made the logits (``GPT.lm_head``)."""
+    weight_shape: tuple[int, ...]
+    chunk: int
+    edits: Edits
+    """The chunked loss's what-if, with the layer's input kept as long as the logits were (the deferred
+    logits hold it)."""
+    flops: float
+    """The chunked loss's extra work: the logits once more in backward."""
+    upcast: bool
+    """The loss took fp32 copies of the logits (``.float()``)."""
+    tokens: int
+    """Tokens per call of the loss (its first)."""
+
+
+def head_losses(analysis: Analysis) -> list[HeadLoss]:
+    """The losses :class:`HeadLoss` describes, one per line of code and head."""
+    results = []
+    for losses in _losses(analysis).values():
+        first = losses[0]
+        chain = first.steps
+        plain = not chain.arithmetic and not chain.hidden_steps and chain.bias is None and not first.scaled
+        head = first.logits.module or ""
+        if not plain or "." not in head or _in_transformers_loss(first.log_probs.site):
+            continue
+        if not all(step in ("copy", "float32 copy") for step in chain.steps):
+            continue  # a downcast: the deferred logits take only the upcast the loss makes
+        chunk = chunk_size(first.tokens, first.vocab, first.width, first.logits.dtype)
+        _, edits = _chunked_edits(losses, chunk)
+        free_at = dict(edits.free_at)
+        for loss in losses:
+            _keep_until(free_at, loss.hidden, loss.logits.free_tick)
+        edits = Edits(remove=edits.remove, free_at=free_at, add=edits.add)
+        flops = sum(2.0 * loss.tokens * loss.width * loss.vocab for loss in losses)
+        upcast = "float32 copy" in chain.steps
+        results.append(HeadLoss(head, first.weight.shape, chunk, edits, flops, upcast, first.tokens))
+    return results
 
 
 # -- upcast-copy -------------------------------------------------------------------------------------
