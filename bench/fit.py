@@ -11,7 +11,7 @@ allocates on top of what existed before it). For each:
   (every block, also those an op makes and frees inside itself), peak above the step's start;
 - cost: the levers' extra work (recompute FLOPs); keeps: the least any lever keeps;
 - numerics: the plan's numeric check (``pass`` bit for
-  bit for exact levers; ``memtrim.verify_fix`` within its rounding budget for reference ones).
+  bit for exact levers; ``memtrim.verify.verify_fix`` within its rounding budget for reference ones).
 
 Run: python bench/fit.py [--only NAME ...]
 """
@@ -186,6 +186,42 @@ def convnet() -> Step:
     return training_step(model, lambda: nn.functional.cross_entropy(model(x), y))
 
 
+def gpt_plain() -> Step:
+    """The GPT demo's model (vocabulary 50257, tied head) with the loss in plain code:
+    ``F.cross_entropy(model(x).logits.view(-1, V), y)``."""
+    from memtrim.cases import gpt
+
+    model = gpt.GPT(gpt.DEMO)
+    x, y = gpt.batch(gpt.DEMO, 4)
+    return training_step(
+        model, lambda: nn.functional.cross_entropy(model(x).logits.view(-1, gpt.DEMO.vocab), y.view(-1))
+    )
+
+
+class PlainLM(nn.Module):
+    """A bfloat16 LM in plain PyTorch: an MLP body and a nested head with a bias."""
+
+    def __init__(self, vocab: int = 16000, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.body(h))
+
+
+def lm_bf16_plain() -> Step:
+    """Its loss on the fp32 upcast of the bf16 logits, labels shifted by the data loader."""
+    model = PlainLM().to(torch.bfloat16)
+    data = torch.randint(0, 16000, (4, 129), generator=torch.Generator().manual_seed(0))
+    ids, labels = data[:, :-1], data[:, 1:]
+    return training_step(
+        model, lambda: nn.functional.cross_entropy(model(ids).float().view(-1, 16000), labels.reshape(-1))
+    )
+
+
 PROGRAMS: dict[str, Callable[[], Step]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -197,6 +233,8 @@ PROGRAMS: dict[str, Callable[[], Step]] = {
     "mlp": mlp,
     "wide-mlp": wide_mlp,
     "convnet-bn": convnet,
+    "gpt-plain": gpt_plain,
+    "lm-bf16-plain": lm_bf16_plain,
 }
 
 

@@ -85,7 +85,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ``[chunk, vocab]`` tile at a time, in plain PyTorch: a stand-in for
     ``memtrim.fixes.chunked_linear_cross_entropy`` with the same memory plan (one tile in forward, one in
     backward, the logits recomputed there, the softmax in fp32; for fp16/bf16 the weight's gradient in
-    its own dtype where one tile holds every token, as the fix's do, and summed in fp32 otherwise)."""
+    its own dtype where one tile holds every token, as the fix's do, and summed in fp32 otherwise, and
+    the hidden states' gradient summed in fp32)."""
 
     @staticmethod
     def _logits(tile, low, hidden, weight, bias):  # type: ignore[no-untyped-def]
@@ -122,7 +123,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[no-untyped-def, override]
         hidden, weight, bias, target, valid, lse, count = ctx.saved_tensors
         tokens, chunk, acc = hidden.shape[0], ctx.chunk, torch.float32
-        grad_hidden = torch.empty_like(hidden)
+        half = hidden.dtype != acc
+        # the fix sums the hidden states' gradient over its tiles in fp32 for fp16/bf16
+        grad_hidden = torch.empty(hidden.shape, dtype=acc) if half else torch.empty_like(hidden)
         one_tile = chunk >= tokens
         grad_weight = torch.empty(weight.shape, dtype=weight.dtype if one_tile else acc)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc)
@@ -136,7 +139,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             t[torch.arange(e - s), target[s:e]] -= 1
             t.mul_(valid[s:e, None] * scale)
             g_tile = t if low is None else low[: e - s].copy_(t)
-            torch.mm(g_tile, weight, out=grad_hidden[s:e])
+            if half:
+                grad_hidden[s:e] = torch.mm(g_tile, weight)
+            else:
+                torch.mm(g_tile, weight, out=grad_hidden[s:e])
             if one_tile:
                 torch.mm(g_tile.t(), hidden, out=grad_weight)
             elif s == 0:
@@ -146,7 +152,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += t.sum(0)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), grad_bias, None, None
 
 
 def chunk_from(finding: Diagnosis) -> int:

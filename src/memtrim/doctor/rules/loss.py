@@ -182,8 +182,8 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
 def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], Edits]:
     """The what-if of the chunked loss: no ``[tokens, vocab]`` buffer at all; one tile from the
     logits' matmul to the nll_loss, one during backward's gradients of them, the log-sum-exp per token
-    between the two, and for fp16/bf16 the fp32 sum of a block of the weight's gradient where the tiles
-    split the tokens."""
+    between the two, and for fp16/bf16 the fp32 sums of the hidden states' (and bias's) gradient and of
+    a block of the weight's gradient where the tiles split the tokens."""
     removed: list[Allocation] = []
     added: list[Added] = []
     free_at: dict[int, float | None] = {}
@@ -202,6 +202,10 @@ def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], E
         added.append(Added(tile, begin, end))
         added.append(Added(loss.tokens * 4, start, end))
         rows, columns = _tiling(loss.tokens, loss.vocab, chunk)
+        if loss.logits.dtype in HALF:
+            # the hidden states' gradient (and the bias's) summed over the tiles in fp32
+            has_bias = base_name(loss.matmul.op) in ("addmm", "baddbmm", "linear")
+            added.append(Added(4 * (loss.tokens * loss.width + (loss.vocab if has_bias else 0)), begin, end))
         if loss.logits.dtype in HALF and rows < loss.tokens:
             # the tiles split the tokens: a [columns, H] block of the weight's gradient sums over them in fp32
             added.append(Added(4 * columns * loss.width, begin, end))
