@@ -121,7 +121,9 @@ def _run_case(
         guards=guards,
         forward_context=fwd,
         seed=case.seed,
+        originals=inputs.leaves,
     )
+    del leaves, guards  # what the run changed is in orig.updates; the rest is not needed again
     if orig.error is not None:
         if case.layout != "contiguous":
             res.status, res.note = (
@@ -158,7 +160,9 @@ def _run_case(
         guards=guards_c,
         forward_context=fwd,
         seed=case.seed,
+        originals=inputs.leaves,
     )
+    del leaves_c, guards_c
     if cand.error is not None:
         hint = f"; {INPLACE_HINT}" if "modified by an inplace operation" in cand.error.message else ""
         fail(

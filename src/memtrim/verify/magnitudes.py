@@ -157,12 +157,30 @@ class Tracer:
             return self.value(x).abs(), zeros, torch.zeros(x.shape, dtype=torch.bool, device=x.device)
         return self._view(sh.s, x), self._view(sh.e, x), self._view(sh.q, x)
 
-    def final(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S, E before the final rounding) of a result, as contiguous float64 copies."""
+    def final(self, x: torch.Tensor, *, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, E before the final rounding) of a result, as float64 copies.
+
+        ``copy=False`` (the oracle, once the run is over and nothing writes to the shadows again) returns
+        views of the shadows where ``x`` covers its whole storage, so the oracle holds no second copy of
+        them, and a broadcast zero for the E of an untraced value; a view of part of a storage is still
+        copied, so a small result does not keep a large shadow alive.
+        """
         sh = self._shadow(x) if _is_float(x) else None
         if sh is None:
-            return self.value(x).abs().clone(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-        return self._view(sh.s, x).clone(), self._view(sh.e, x).clone()
+            s = self.value(x).abs()
+            if not copy:
+                return s, torch.zeros((), dtype=torch.float64, device=x.device).expand(x.shape)
+            return s.clone(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        s, e = self._view(sh.s, x), self._view(sh.e, x)
+        if copy or x.numel() < sh.s.numel():
+            return s.clone(), e.clone()
+        return s, e
+
+    def clear(self) -> None:
+        """Drop every shadow (the run is over). Results of :meth:`final` with ``copy=False`` stay valid:
+        they hold their own shadows. The tracer and its mode reference each other, so without this the
+        shadows of the run would live until Python's cycle collector found them."""
+        self._shadows = weakref.WeakKeyDictionary()
 
     # -- writing shadows ---------------------------------------------------------------------------
     def set(self, out: torch.Tensor, *, s: Any, e: Any, rounded: Any = True) -> None:

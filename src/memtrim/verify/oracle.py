@@ -73,7 +73,11 @@ def _call(
     leaves: list[Any],
     up: Upstream,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    *,
+    laid_out: bool = True,
 ) -> RunResult:
+    """``laid_out``: ``leaves`` are the case's inputs in float64 (whose bits are then compared with the
+    canonical inputs', not with a copy made before the call)."""
     grads, dirs = up.grads, up.dirs
     return run_callable(
         fn,
@@ -84,6 +88,7 @@ def _call(
         directions=None if dirs is None else (lambda gs: list(dirs)),
         seed=inputs.case.seed,
         context=context,
+        originals=inputs.leaves if laid_out else None,
     )
 
 
@@ -92,19 +97,27 @@ def _leaves(inputs: CaseInputs, device: torch.device) -> list[Any]:
 
 
 def _shadow_runs(tracer: Tracer, run: RunResult) -> tuple[RunResult, RunResult]:
-    """S and E of every tensor in ``run``, laid out as ``run`` is."""
+    """S and E of every tensor in ``run``, laid out as ``run`` is; then the tracer drops every other
+    shadow (those of the reference's intermediates), so only the results' stay alive."""
 
-    def pick(ts: Tensors | None, k: int) -> Tensors | None:
-        return None if ts is None else [None if t is None else tracer.final(t)[k] for t in ts]
+    def finals(ts: list[Any] | None) -> list[Any] | None:
+        if ts is None:
+            return None
+        return [tracer.final(t, copy=False) if isinstance(t, torch.Tensor) else (t, t) for t in ts]
+
+    outs, grads, grads2, updates = (finals(x) for x in (run.outputs, run.grads, run.grads2, run.updates))
+    tracer.clear()
+
+    def pick(pairs: list[Any] | None, k: int) -> Any:
+        return None if pairs is None else [p[k] for p in pairs]
 
     def one(k: int) -> RunResult:
-        outs = [tracer.final(o)[k] if isinstance(o, torch.Tensor) else o for o in run.outputs]
         return RunResult(
-            outputs=outs,
+            outputs=pick(outs, k),
             spec=run.spec,
-            grads=pick(run.grads, k),
-            grads2=pick(run.grads2, k),
-            updates=pick(run.updates, k) or [],
+            grads=pick(grads, k),
+            grads2=pick(grads2, k),
+            updates=pick(updates, k) or [],
         )
 
     return one(0), one(1)
@@ -166,7 +179,7 @@ def run_oracle(
         x.detach().abs().requires_grad_(x.requires_grad) if _is_float(x) else x
         for x in _leaves(inputs, device)
     ]
-    s = _call(abs_reference, inputs, abs_leaves, up64.to(torch.abs))
+    s = _call(abs_reference, inputs, abs_leaves, up64.to(torch.abs), laid_out=False)
     if s.error is not None:
         oracle.why_not = f"abs_reference raised {s.error.describe()}"
         return oracle
