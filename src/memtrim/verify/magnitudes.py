@@ -144,10 +144,17 @@ class Tracer:
         if sh is None:
             return 0.0
         e, q = self._view(sh.e, x), self._view(sh.q, x)
-        e = torch.where(q, e + self.u * self._view(sh.s, x) + self.eta, e)
+        # e + u*S + eta where rounded, e elsewhere; computed in place in one new tensor (the same
+        # roundings: addition commutes exactly), skipping the selections that change nothing.
+        total = torch.mul(self._view(sh.s, x), self.u).add_(e).add_(self.eta)
+        if not bool(q.all()):
+            torch.where(q, total, e, out=total)
         # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
         # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
-        return torch.where(torch.isinf(x), 0.0, e)
+        inf = torch.isinf(x)
+        if bool(inf.any()):
+            total.masked_fill_(inf, 0.0)
+        return total
 
     def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(S, E before its own rounding, rounded) of ``x``, for ops that move values without arithmetic."""
@@ -195,12 +202,15 @@ class Tracer:
         sh = self._shadows.get(storage)
         if sh is None:
             flat = torch.empty(0, dtype=out.dtype, device=out.device).set_(storage)
-            sh = _Shadow(
-                flat.to(torch.float64).abs(),
-                torch.zeros(flat.shape, dtype=torch.float64, device=out.device),
-                torch.zeros(flat.shape, dtype=torch.bool, device=out.device),
-                out.element_size(),
-            )
+            if out.numel() == flat.numel() and _dense(out):  # out writes every element
+                s0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                e0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                q0 = torch.empty(flat.shape, dtype=torch.bool, device=out.device)
+            else:  # the elements out does not write: exact values, as an input's
+                s0 = flat.to(torch.float64).abs()
+                e0 = torch.zeros(flat.shape, dtype=torch.float64, device=out.device)
+                q0 = torch.zeros(flat.shape, dtype=torch.bool, device=out.device)
+            sh = _Shadow(s0, e0, q0, out.element_size())
             self._shadows[storage] = sh
         elif sh.itemsize != out.element_size():
             raise NotTraceable("a dtype view", "the same bytes written as another dtype")
@@ -232,6 +242,17 @@ class Tracer:
 
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are distinct and leave no gap: taken by increasing stride, each dim's
+    stride is the number of elements the dims before it span."""
+    span = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
 
 
 class _TracingMode(TorchDispatchMode):

@@ -10,6 +10,7 @@ keeps the values; :class:`OracleCache` then shares it between those cases and dr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 
 from memtrim.verify import magnitude_rules  # noqa: F401  (registers the rules)
 from memtrim.verify.budget import Rounding, reorder_factor
-from memtrim.verify.cases import Case, CaseInputs
+from memtrim.verify.cases import Case, CaseInputs, expanded_values, upstream_like
 from memtrim.verify.magnitudes import Tracer
 from memtrim.verify.results import RunResult
 from memtrim.verify.run import run_callable
@@ -212,6 +213,13 @@ def oracle_key(case: Case) -> Hashable:
     return (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
 
 
+def _group(key: Hashable) -> Hashable:
+    """The cases of an oracle key and of its expanded twin: the same draws (the expanded layout repeats
+    the first slice of the same values)."""
+    assert isinstance(key, tuple)
+    return key[:3] + key[4:]
+
+
 @dataclass
 class OracleCache:
     """Oracles shared by the cases that can use them, each dropped after the last case with its key.
@@ -225,6 +233,38 @@ class OracleCache:
     def __post_init__(self) -> None:
         self._left: Counter[Hashable] = Counter(self.keys)
         self._held: dict[Hashable, Oracle] = {}
+        # the canonical inputs and upstream draws of the (variant, dtype, seed) running now, kept
+        # until its last case: drawing them is a good part of a small case's time
+        self._group_left: Counter[Hashable] = Counter(_group(k) for k in self._left.elements())
+        self._group: Hashable = None
+        self._inputs: CaseInputs | None = None
+        self._draws: dict[Hashable, torch.Tensor] = {}
+
+    def inputs(self, case: Case, build: Callable[[Case], CaseInputs]) -> CaseInputs:
+        """``case``'s canonical inputs: ``build(case)`` once per (variant, dtype, seed), in the
+        contiguous layout's values; the expanded layout's repeat their first slice along
+        :func:`~memtrim.verify.cases.expand_dim`, as :func:`~memtrim.verify.cases.build_inputs` makes
+        them."""
+        self._enter(_group(oracle_key(case)))
+        if self._inputs is None:
+            self._inputs = build(dataclasses.replace(case, layout="contiguous"))
+        base = self._inputs
+        leaves = base.leaves
+        if case.layout == "expanded":
+            leaves = [expanded_values(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return dataclasses.replace(base, case=case, leaves=leaves)
+
+    def draw(self, case: Case, like: torch.Tensor, salt: int) -> torch.Tensor:
+        """``upstream_like(like, case.seed, salt)``, drawn once per (variant, dtype, seed)."""
+        self._enter(_group(oracle_key(case)))
+        key = (tuple(like.shape), like.dtype, like.device, salt)
+        if key not in self._draws:
+            self._draws[key] = upstream_like(like, case.seed, salt)
+        return self._draws[key]
+
+    def _enter(self, group: Hashable) -> None:
+        if group != self._group:
+            self._group, self._inputs, self._draws = group, None, {}
 
     def get(self, key: Hashable, layout: str, make: Callable[[], Oracle]) -> Oracle:
         """The oracle for ``key`` in ``layout``, made on first use and kept while cases with this key
@@ -241,6 +281,9 @@ class OracleCache:
         self._left[key] -= 1
         if self._left[key] <= 0:
             self._held.pop(key, None)
+        self._group_left[_group(key)] -= 1
+        if self._group_left[_group(key)] <= 0 and _group(key) == self._group:
+            self._group, self._inputs, self._draws = None, None, {}
 
     def __len__(self) -> int:
         return len(self._held)
