@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from memtrim.registry import Registry
 from memtrim.verify.budget import C_REORDER, Rounding
+from memtrim.verify.chunks import chunks
 
 aten = torch.ops.aten
 
@@ -151,9 +152,9 @@ class Tracer:
             torch.where(q, total, e, out=total)
         # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
         # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
-        inf = torch.isinf(x)
-        if bool(inf.any()):
-            total.masked_fill_(inf, 0.0)
+        # (isinf makes a temporary the size of x: looked for piece by piece first)
+        if any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape)):
+            total.masked_fill_(torch.isinf(x), 0.0)
         return total
 
     def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
