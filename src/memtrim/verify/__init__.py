@@ -26,6 +26,7 @@ The package, one module per job (data flows down the list):
   (:data:`MAGNITUDE_RULES`).
 * :mod:`.budget` — rounding rules per dtype (:data:`ROUNDING_REGISTRY`) and the budget formulas.
 * :mod:`.compare` — one tensor against the reference: bit-exact, or within the budget.
+* :mod:`.chunks` — pieces of a tensor, so per-element work needs temporaries of a bounded size.
 * :mod:`.probes` — cancellation probes (exact zeros must stay zero).
 * :mod:`.results` — every result type: :class:`VerifyReport`, :class:`CaseResult`, :class:`Quantity`,
   :class:`Failure`, :class:`ProbeResult`, :class:`RunResult`, :class:`CallError`.

@@ -211,6 +211,12 @@ def tensorwise_budget(orig_err: torch.Tensor, oracle: torch.Tensor, *, k: float,
     finite = oracle[oracle.isfinite()]
     top = float(finite.abs().max()) if finite.numel() else 0.0
     worst = float(orig_err.max()) if orig_err.numel() else 0.0
+    return tensorwise_budget_of(worst, top, k=k, u_out=u_out)
+
+
+def tensorwise_budget_of(worst: float, top: float, *, k: float, u_out: float) -> float:
+    """:func:`tensorwise_budget` from its two maxima: ``worst = max|orig - oracle|`` and
+    ``top = max|oracle|`` over the finite elements (each 0.0 where there is none)."""
     return k * max(worst, u_out * top)
 
 
@@ -235,8 +241,21 @@ def assert_close_verdict(
     Computed from ``err = |actual - expected|`` (float64) as ``isclose`` does, ``same`` marking
     elements that are identical (so infinities and NaNs in the same places count as close).
     """
+    bad = assert_close_mismatches(err, expected, same, rtol, atol)
+    return assert_close_outcome(bad, err.numel(), rtol, atol)
+
+
+def assert_close_mismatches(
+    err: torch.Tensor, expected: torch.Tensor, same: torch.Tensor, rtol: float, atol: float
+) -> int:
+    """How many elements ``torch.testing.assert_close`` would count as mismatched (see
+    :func:`assert_close_verdict`), so that a tensor can be judged piece by piece."""
     close = (err <= expected.abs().mul_(rtol).add_(atol)) | same
-    bad = int((~close).sum())
+    return int((~close).sum())
+
+
+def assert_close_outcome(bad: int, numel: int, rtol: float, atol: float) -> tuple[bool, str]:
+    """The verdict and message of :func:`assert_close_verdict` from the count of mismatched elements."""
     if bad == 0:
         return True, ""
-    return False, f"{bad} of {close.numel()} elements mismatched (rtol={rtol:g}, atol={atol:g})"
+    return False, f"{bad} of {numel} elements mismatched (rtol={rtol:g}, atol={atol:g})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,13 +12,15 @@ from memtrim.trace import dtype_name
 from memtrim.verify.budget import (
     K_FACTORS,
     Rounding,
+    assert_close_mismatches,
+    assert_close_outcome,
     assert_close_tolerances,
-    assert_close_verdict,
     elementwise_budget,
     oracle_share,
     rounding_for,
-    tensorwise_budget,
+    tensorwise_budget_of,
 )
+from memtrim.verify.chunks import Index, chunks
 from memtrim.verify.results import Quantity, QuantityKind
 from memtrim.verify.run import same_bits
 
@@ -125,88 +128,179 @@ class BudgetInputs:
 def compare_reference(
     name: str, kind: QuantityKind, cand: torch.Tensor, b: BudgetInputs, *, layout: str
 ) -> Quantity:
-    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`memtrim.verify.budget`."""
+    """Judge ``cand`` against the float64 oracle with the rounding budget of :mod:`memtrim.verify.budget`.
+
+    The tensors are judged piece by piece (:mod:`memtrim.verify.chunks`), so the float64 temporaries of
+    the judgement are each at most :data:`~memtrim.verify.chunks.CHUNK_ELEMENTS` elements whatever the
+    tensor's size; every figure is a count, a maximum or a list of elements, so it is the same as over
+    the whole tensor at once.
+    """
     if not (cand.is_floating_point() and b.orig.is_floating_point()):
         return compare_exact(name, kind, cand, b.orig)
-    exact = bool(same_bits(cand, b.orig).all())
     out_r = rounding_for(cand.dtype)
     case_r: Rounding = rounding_for(b.case_dtype or cand.dtype, autocast=b.autocast)
-    k = K_FACTORS[kind]
-    # Judge on the oracle's device (CPU when the case runs on MPS, which has no float64). Written to
-    # make few passes over the data and free each float64 temporary early: these tensors are case-sized.
+    # Judge on the oracle's device (CPU when the case runs on MPS, which has no float64).
     dev = b.oracle.device
-    oracle = b.oracle.to(dtype=torch.float64)
-    cand, orig = cand.to(dev), b.orig.to(dev)
-    err = (cand.to(torch.float64) - oracle).abs_()  # (a subtraction: never in place on the inputs)
-    orig_err = (orig.to(torch.float64) - oracle).abs_()
-    q = Quantity(name, kind, passed=True, rule="", exact=exact, numel=cand.numel())
+    rtol, atol = assert_close_tolerances(cand, torch.empty(0, dtype=torch.float64))
+    q = Quantity(name, kind, passed=True, rule="", exact=True, numel=cand.numel())
     q.u_out, q.u, q.u_acc = out_r.u, case_r.u, case_r.u_acc
-    finite = oracle.isfinite()
-    all_finite = bool(finite.all())
-    if all_finite:  # equal values are exactly the zero errors
-        same_c, same_o = err == 0, orig_err == 0
+    judge = _PieceJudge(cand, b, dev, K_FACTORS[kind], out_r, case_r)
+    if judge.traced:
+        q.rule = f"per element, budget {b.source}"
     else:
-        same_c = same_values(cand.to(torch.float64), oracle)
-        same_o = same_values(orig.to(torch.float64), oracle)
-    rtol, atol = assert_close_tolerances(cand, oracle)
-    q.assert_close, q.assert_close_msg = assert_close_verdict(err, oracle, same_c, rtol, atol)
-    q.assert_close_orig, _ = assert_close_verdict(orig_err, oracle, same_o, rtol, atol)
+        judge.tensorwise_maxima()
+        q.rule = "k-times rule on maxima (no budget)"
+    close_bad = close_bad_orig = n_over = 0
+    norm: list[float] = []
+    norm_orig: list[float] = []
+    used: list[float] = []
+    max_abs: list[float] = []
+    bads: list[torch.Tensor] = []
+    ratios: list[torch.Tensor] = []
+    cand_nan = False
+    for offset, index in chunks(cand.shape):
+        p = judge.piece(index)
+        q.exact = q.exact and bool(same_bits(cand[index], b.orig[index]).all())
+        close_bad += assert_close_mismatches(p.err, p.oracle, p.same_c, rtol, atol)
+        close_bad_orig += assert_close_mismatches(p.orig_err, p.oracle, p.same_o, rtol, atol)
+        if cand.numel() == 0:
+            break
+        if p.s is not None and p.pos is not None and bool(p.pos.any()):
+            norm.append(_max_ratio(p.err, p.s, p.pos))
+            norm_orig.append(_max_ratio(p.orig_err, p.s, p.pos))
+        judged = p.finite & (p.budget > 0) & p.budget.isfinite()
+        if bool(judged.any()):
+            used.append(_max_ratio(p.err, p.budget, judged))
+        bad = (~p.ok).reshape(-1).nonzero().reshape(-1)
+        n_over += int(bad.numel())
+        max_abs.append(float(p.err.nan_to_num(nan=float("inf")).max()))
+        if bad.numel():
+            bads.append(bad + offset)
+            ratios.append((p.err - p.budget).reshape(-1)[bad].nan_to_num(nan=float("inf")))
+        cand_nan = cand_nan or bool((p.cand.isnan() & p.finite).any())
+    q.assert_close, q.assert_close_msg = assert_close_outcome(close_bad, cand.numel(), rtol, atol)
+    q.assert_close_orig, _ = assert_close_outcome(close_bad_orig, cand.numel(), rtol, atol)
     if cand.numel() == 0:
         q.rule = "empty"
         return q
-    if b.s is not None and b.e is not None:
-        s = b.s.to(device=dev, dtype=torch.float64)
-        budget = elementwise_budget(
-            orig_err,
-            oracle,
-            b.e.to(device=dev, dtype=torch.float64),
-            k=k,
-            u_out=out_r.u,
-            oracle_share=oracle_share(case_r),
-            eta_out=out_r.eta,
-        )
-        q.rule = f"per element, budget {b.source}"
-        pos = s > 0
-        if bool(pos.any()):
-            q.norm_err = _max_ratio(err, s, pos)
-            q.norm_err_orig = _max_ratio(orig_err, s, pos)
-    else:
-        # Elements where the original overflowed (or is NaN) are not held against the candidate's max.
-        orig_ok = orig_err.isfinite() | ~finite
-        top = tensorwise_budget(orig_err[finite & orig_ok], oracle, k=k, u_out=out_r.u)
-        budget = torch.full_like(err, top).masked_fill_(~orig_ok, float("inf"))
-        q.rule = "k-times rule on maxima (no budget)"
-    del orig_err
-    ok = err <= budget  # NaN error compares False: fails
-    if not all_finite:
-        # Where the oracle itself is not finite, the candidate must match it or the original exactly.
-        nonfinite_ok = same_c | same_values(cand.to(torch.float64), orig.to(torch.float64))
-        ok = torch.where(finite, ok, nonfinite_ok)
-    judged = finite & (budget > 0) & budget.isfinite()
-    if bool(judged.any()):
-        q.budget_used = _max_ratio(err, budget, judged)
-    bad = (~ok).reshape(-1).nonzero().reshape(-1)
-    q.n_over = int(bad.numel())
-    q.max_abs_diff = float(err.nan_to_num(nan=float("inf")).max())
+    if norm:
+        q.norm_err, q.norm_err_orig = max(norm), max(norm_orig)
+    if used:
+        q.budget_used = max(used)
+    q.n_over = n_over
+    q.max_abs_diff = max(max_abs)
     q.passed = q.n_over == 0
     if q.passed:
         return q
-    ratio = (err - budget).reshape(-1)[bad].nan_to_num(nan=float("inf"))
-    order = bad[ratio.argsort(descending=True)][:MAX_SHOWN].tolist()
+    bad_all, ratio = torch.cat(bads), torch.cat(ratios)
+    order = bad_all[ratio.argsort(descending=True)][:MAX_SHOWN].tolist()
+    pieces = list(chunks(cand.shape))
+    starts = [offset for offset, _ in pieces]
     for flat in order:
+        offset, index = pieces[bisect.bisect_right(starts, flat) - 1]
+        p, at = judge.piece(index), flat - offset
         q.offending.append(
             {
                 "index": _index(flat, cand.shape),
-                "candidate": _val(cand, flat),
-                "oracle": _val(oracle, flat),
-                "original": _val(b.orig, flat),
-                "error": _val(err, flat),
-                "budget": _val(budget, flat),
+                "candidate": _val(p.cand, at),
+                "oracle": _val(p.oracle, at),
+                "original": _val(b.orig[index], at),
+                "error": _val(p.err, at),
+                "budget": _val(p.budget, at),
             }
         )
     q.worst = q.offending[0]
-    q.message = _reference_message(q, cand, oracle, layout)
+    q.message = _reference_message(q, cand_nan, layout)
     return q
+
+
+@dataclass
+class _Piece:
+    """One piece of a judged tensor (float64 on the oracle's device, except ``cand``)."""
+
+    cand: torch.Tensor
+    oracle: torch.Tensor
+    err: torch.Tensor
+    orig_err: torch.Tensor
+    finite: torch.Tensor
+    same_c: torch.Tensor
+    same_o: torch.Tensor
+    s: torch.Tensor | None
+    pos: torch.Tensor | None
+    budget: torch.Tensor
+    ok: torch.Tensor
+
+
+class _PieceJudge:
+    """The per-element judgement of :func:`compare_reference`, on one piece of the tensors at a time."""
+
+    def __init__(
+        self,
+        cand: torch.Tensor,
+        b: BudgetInputs,
+        dev: torch.device,
+        k: float,
+        out_r: Rounding,
+        case_r: Rounding,
+    ) -> None:
+        self.cand, self.b, self.dev, self.k, self.out_r, self.case_r = cand, b, dev, k, out_r, case_r
+        self.traced = b.s is not None and b.e is not None
+        self.top = 0.0  # the k-times rule's budget, when there is no traced one
+
+    def _values(self, index: Index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(candidate on the oracle's device, oracle, original on the oracle's device) of a piece."""
+        oracle = self.b.oracle[index].to(dtype=torch.float64)
+        return self.cand[index].to(self.dev), oracle, self.b.orig[index].to(self.dev)
+
+    def tensorwise_maxima(self) -> None:
+        """The k-times rule's budget: ``max|orig - oracle|`` and ``max|oracle|`` over the finite
+        elements (those where the original overflowed, or is NaN, are not held against the candidate)."""
+        worst = top = 0.0
+        for _, index in chunks(self.cand.shape):
+            _, oracle, orig = self._values(index)
+            orig_err = (orig.to(torch.float64) - oracle).abs_()
+            finite = oracle.isfinite()
+            held = orig_err[finite & (orig_err.isfinite() | ~finite)]
+            if held.numel():
+                worst = max(worst, float(held.max()))
+            kept = oracle[finite]
+            if kept.numel():
+                top = max(top, float(kept.abs().max()))
+        self.top = tensorwise_budget_of(worst, top, k=self.k, u_out=self.out_r.u)
+
+    def piece(self, index: Index) -> _Piece:
+        cand, oracle, orig = self._values(index)
+        cand64, orig64 = cand.to(torch.float64), orig.to(torch.float64)
+        err = (cand64 - oracle).abs_()  # (a subtraction: never in place on the inputs)
+        orig_err = (orig64 - oracle).abs_()
+        finite = oracle.isfinite()
+        all_finite = bool(finite.all())
+        if all_finite:  # equal values are exactly the zero errors
+            same_c, same_o = err == 0, orig_err == 0
+        else:
+            same_c, same_o = same_values(cand64, oracle), same_values(orig64, oracle)
+        s = pos = None
+        if self.traced:
+            assert self.b.s is not None and self.b.e is not None
+            s = self.b.s[index].to(device=self.dev, dtype=torch.float64)
+            budget = elementwise_budget(
+                orig_err,
+                oracle,
+                self.b.e[index].to(device=self.dev, dtype=torch.float64),
+                k=self.k,
+                u_out=self.out_r.u,
+                oracle_share=oracle_share(self.case_r),
+                eta_out=self.out_r.eta,
+            )
+            pos = s > 0
+        else:
+            orig_ok = orig_err.isfinite() | ~finite
+            budget = torch.full_like(err, self.top).masked_fill_(~orig_ok, float("inf"))
+        ok = err <= budget  # NaN error compares False: fails
+        if not all_finite:
+            # Where the oracle itself is not finite, the candidate must match it or the original exactly.
+            ok = torch.where(finite, ok, same_c | same_values(cand64, orig64))
+        return _Piece(cand, oracle, err, orig_err, finite, same_c, same_o, s, pos, budget, ok)
 
 
 def _max_ratio(num: torch.Tensor, den: torch.Tensor, where: torch.Tensor) -> float:
@@ -215,7 +309,8 @@ def _max_ratio(num: torch.Tensor, den: torch.Tensor, where: torch.Tensor) -> flo
     return float(ratio.nan_to_num_(nan=float("inf")).max())
 
 
-def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, layout: str) -> str:
+def _reference_message(q: Quantity, cand_nan: bool, layout: str) -> str:
+    """``cand_nan``: the candidate gives NaN somewhere the oracle is finite."""
     w = q.worst
     assert w is not None
     what = (
@@ -223,8 +318,7 @@ def _reference_message(q: Quantity, cand: torch.Tensor, oracle: torch.Tensor, la
         f"{w['index']}: candidate {w['candidate']:.6g}, oracle (float64) {w['oracle']:.6g}, original "
         f"{w['original']:.6g}, |candidate - oracle| {w['error']:.3g} > budget {w['budget']:.3g}"
     )
-    cand_nan = cand.isnan() & oracle.isfinite()
-    if bool(cand_nan.any()):
+    if cand_nan:
         hint = "the candidate gives NaN where the oracle is finite"
         if layout == "noncontiguous":
             hint += (

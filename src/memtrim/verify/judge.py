@@ -23,7 +23,6 @@ from memtrim.verify.cases import (
     build_inputs,
     expanded_values,
     leaf_names,
-    upstream_like,
 )
 from memtrim.verify.compare import (
     BudgetInputs,
@@ -85,7 +84,7 @@ def _run_case(
     res: CaseResult,
     fail: Callable[..., None],
 ) -> None:
-    inputs = build_inputs(spec, case, st.device)
+    inputs = cache.inputs(case, lambda c: build_inputs(spec, c, st.device))
     fwd = _forward_context(case, st.device)
     canon = Upstream(None, None)
 
@@ -94,7 +93,7 @@ def _run_case(
 
     def make_grads(outs: list[Any]) -> list[torch.Tensor | None]:
         gs = [
-            upstream_like(o, case.seed, j) if isinstance(o, torch.Tensor) and o.requires_grad else None
+            cache.draw(case, o, j) if isinstance(o, torch.Tensor) and o.requires_grad else None
             for j, o in enumerate(outs)
         ]
         if case.layout == "expanded":
@@ -103,7 +102,7 @@ def _run_case(
         return laid(gs) or []
 
     def make_dirs(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        ds = [None if g is None else upstream_like(g, case.seed, 100 + k) for k, g in enumerate(grads)]
+        ds = [None if g is None else cache.draw(case, g, 100 + k) for k, g in enumerate(grads)]
         if case.layout == "expanded":
             ds = [None if d is None else expanded_values(d) for d in ds]
         canon.dirs = ds
@@ -121,7 +120,9 @@ def _run_case(
         guards=guards,
         forward_context=fwd,
         seed=case.seed,
+        originals=inputs.leaves,
     )
+    del leaves, guards  # what the run changed is in orig.updates; the rest is not needed again
     if orig.error is not None:
         if case.layout != "contiguous":
             res.status, res.note = (
@@ -158,7 +159,9 @@ def _run_case(
         guards=guards_c,
         forward_context=fwd,
         seed=case.seed,
+        originals=inputs.leaves,
     )
+    del leaves_c, guards_c
     if cand.error is not None:
         hint = f"; {INPLACE_HINT}" if "modified by an inplace operation" in cand.error.message else ""
         fail(

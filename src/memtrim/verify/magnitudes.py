@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from memtrim.registry import Registry
 from memtrim.verify.budget import C_REORDER, Rounding
+from memtrim.verify.chunks import chunks
 
 aten = torch.ops.aten
 
@@ -144,10 +145,17 @@ class Tracer:
         if sh is None:
             return 0.0
         e, q = self._view(sh.e, x), self._view(sh.q, x)
-        e = torch.where(q, e + self.u * self._view(sh.s, x) + self.eta, e)
+        # e + u*S + eta where rounded, e elsewhere; computed in place in one new tensor (the same
+        # roundings: addition commutes exactly), skipping the selections that change nothing.
+        total = torch.mul(self._view(sh.s, x), self.u).add_(e).add_(self.eta)
+        if not bool(q.all()):
+            torch.where(q, total, e, out=total)
         # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
         # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
-        return torch.where(torch.isinf(x), 0.0, e)
+        # (isinf makes a temporary the size of x: looked for piece by piece first)
+        if any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape)):
+            total.masked_fill_(torch.isinf(x), 0.0)
+        return total
 
     def channels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(S, E before its own rounding, rounded) of ``x``, for ops that move values without arithmetic."""
@@ -157,12 +165,30 @@ class Tracer:
             return self.value(x).abs(), zeros, torch.zeros(x.shape, dtype=torch.bool, device=x.device)
         return self._view(sh.s, x), self._view(sh.e, x), self._view(sh.q, x)
 
-    def final(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S, E before the final rounding) of a result, as contiguous float64 copies."""
+    def final(self, x: torch.Tensor, *, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, E before the final rounding) of a result, as float64 copies.
+
+        ``copy=False`` (the oracle, once the run is over and nothing writes to the shadows again) returns
+        views of the shadows where ``x`` covers its whole storage, so the oracle holds no second copy of
+        them, and a broadcast zero for the E of an untraced value; a view of part of a storage is still
+        copied, so a small result does not keep a large shadow alive.
+        """
         sh = self._shadow(x) if _is_float(x) else None
         if sh is None:
-            return self.value(x).abs().clone(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-        return self._view(sh.s, x).clone(), self._view(sh.e, x).clone()
+            s = self.value(x).abs()
+            if not copy:
+                return s, torch.zeros((), dtype=torch.float64, device=x.device).expand(x.shape)
+            return s.clone(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        s, e = self._view(sh.s, x), self._view(sh.e, x)
+        if copy or x.numel() < sh.s.numel():
+            return s.clone(), e.clone()
+        return s, e
+
+    def clear(self) -> None:
+        """Drop every shadow (the run is over). Results of :meth:`final` with ``copy=False`` stay valid:
+        they hold their own shadows. The tracer and its mode reference each other, so without this the
+        shadows of the run would live until Python's cycle collector found them."""
+        self._shadows = weakref.WeakKeyDictionary()
 
     # -- writing shadows ---------------------------------------------------------------------------
     def set(self, out: torch.Tensor, *, s: Any, e: Any, rounded: Any = True) -> None:
@@ -177,12 +203,15 @@ class Tracer:
         sh = self._shadows.get(storage)
         if sh is None:
             flat = torch.empty(0, dtype=out.dtype, device=out.device).set_(storage)
-            sh = _Shadow(
-                flat.to(torch.float64).abs(),
-                torch.zeros(flat.shape, dtype=torch.float64, device=out.device),
-                torch.zeros(flat.shape, dtype=torch.bool, device=out.device),
-                out.element_size(),
-            )
+            if out.numel() == flat.numel() and _dense(out):  # out writes every element
+                s0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                e0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                q0 = torch.empty(flat.shape, dtype=torch.bool, device=out.device)
+            else:  # the elements out does not write: exact values, as an input's
+                s0 = flat.to(torch.float64).abs()
+                e0 = torch.zeros(flat.shape, dtype=torch.float64, device=out.device)
+                q0 = torch.zeros(flat.shape, dtype=torch.bool, device=out.device)
+            sh = _Shadow(s0, e0, q0, out.element_size())
             self._shadows[storage] = sh
         elif sh.itemsize != out.element_size():
             raise NotTraceable("a dtype view", "the same bytes written as another dtype")
@@ -214,6 +243,17 @@ class Tracer:
 
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are distinct and leave no gap: taken by increasing stride, each dim's
+    stride is the number of elements the dims before it span."""
+    span = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
 
 
 class _TracingMode(TorchDispatchMode):

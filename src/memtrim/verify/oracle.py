@@ -10,6 +10,7 @@ keeps the values; :class:`OracleCache` then shares it between those cases and dr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 
 from memtrim.verify import magnitude_rules  # noqa: F401  (registers the rules)
 from memtrim.verify.budget import Rounding, reorder_factor
-from memtrim.verify.cases import Case, CaseInputs
+from memtrim.verify.cases import Case, CaseInputs, expanded_values, upstream_like
 from memtrim.verify.magnitudes import Tracer
 from memtrim.verify.results import RunResult
 from memtrim.verify.run import run_callable
@@ -73,7 +74,11 @@ def _call(
     leaves: list[Any],
     up: Upstream,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    *,
+    laid_out: bool = True,
 ) -> RunResult:
+    """``laid_out``: ``leaves`` are the case's inputs in float64 (whose bits are then compared with the
+    canonical inputs', not with a copy made before the call)."""
     grads, dirs = up.grads, up.dirs
     return run_callable(
         fn,
@@ -84,6 +89,7 @@ def _call(
         directions=None if dirs is None else (lambda gs: list(dirs)),
         seed=inputs.case.seed,
         context=context,
+        originals=inputs.leaves if laid_out else None,
     )
 
 
@@ -92,19 +98,27 @@ def _leaves(inputs: CaseInputs, device: torch.device) -> list[Any]:
 
 
 def _shadow_runs(tracer: Tracer, run: RunResult) -> tuple[RunResult, RunResult]:
-    """S and E of every tensor in ``run``, laid out as ``run`` is."""
+    """S and E of every tensor in ``run``, laid out as ``run`` is; then the tracer drops every other
+    shadow (those of the reference's intermediates), so only the results' stay alive."""
 
-    def pick(ts: Tensors | None, k: int) -> Tensors | None:
-        return None if ts is None else [None if t is None else tracer.final(t)[k] for t in ts]
+    def finals(ts: list[Any] | None) -> list[Any] | None:
+        if ts is None:
+            return None
+        return [tracer.final(t, copy=False) if isinstance(t, torch.Tensor) else (t, t) for t in ts]
+
+    outs, grads, grads2, updates = (finals(x) for x in (run.outputs, run.grads, run.grads2, run.updates))
+    tracer.clear()
+
+    def pick(pairs: list[Any] | None, k: int) -> Any:
+        return None if pairs is None else [p[k] for p in pairs]
 
     def one(k: int) -> RunResult:
-        outs = [tracer.final(o)[k] if isinstance(o, torch.Tensor) else o for o in run.outputs]
         return RunResult(
-            outputs=outs,
+            outputs=pick(outs, k),
             spec=run.spec,
-            grads=pick(run.grads, k),
-            grads2=pick(run.grads2, k),
-            updates=pick(run.updates, k) or [],
+            grads=pick(grads, k),
+            grads2=pick(grads2, k),
+            updates=pick(updates, k) or [],
         )
 
     return one(0), one(1)
@@ -166,7 +180,7 @@ def run_oracle(
         x.detach().abs().requires_grad_(x.requires_grad) if _is_float(x) else x
         for x in _leaves(inputs, device)
     ]
-    s = _call(abs_reference, inputs, abs_leaves, up64.to(torch.abs))
+    s = _call(abs_reference, inputs, abs_leaves, up64.to(torch.abs), laid_out=False)
     if s.error is not None:
         oracle.why_not = f"abs_reference raised {s.error.describe()}"
         return oracle
@@ -199,6 +213,13 @@ def oracle_key(case: Case) -> Hashable:
     return (case.variant, case.dtype, case.seed, case.layout == "expanded", case.autocast)
 
 
+def _group(key: Hashable) -> Hashable:
+    """The cases of an oracle key and of its expanded twin: the same draws (the expanded layout repeats
+    the first slice of the same values)."""
+    assert isinstance(key, tuple)
+    return key[:3] + key[4:]
+
+
 @dataclass
 class OracleCache:
     """Oracles shared by the cases that can use them, each dropped after the last case with its key.
@@ -212,6 +233,38 @@ class OracleCache:
     def __post_init__(self) -> None:
         self._left: Counter[Hashable] = Counter(self.keys)
         self._held: dict[Hashable, Oracle] = {}
+        # the canonical inputs and upstream draws of the (variant, dtype, seed) running now, kept
+        # until its last case: drawing them is a good part of a small case's time
+        self._group_left: Counter[Hashable] = Counter(_group(k) for k in self._left.elements())
+        self._group: Hashable = None
+        self._inputs: CaseInputs | None = None
+        self._draws: dict[Hashable, torch.Tensor] = {}
+
+    def inputs(self, case: Case, build: Callable[[Case], CaseInputs]) -> CaseInputs:
+        """``case``'s canonical inputs: ``build(case)`` once per (variant, dtype, seed), in the
+        contiguous layout's values; the expanded layout's repeat their first slice along
+        :func:`~memtrim.verify.cases.expand_dim`, as :func:`~memtrim.verify.cases.build_inputs` makes
+        them."""
+        self._enter(_group(oracle_key(case)))
+        if self._inputs is None:
+            self._inputs = build(dataclasses.replace(case, layout="contiguous"))
+        base = self._inputs
+        leaves = base.leaves
+        if case.layout == "expanded":
+            leaves = [expanded_values(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return dataclasses.replace(base, case=case, leaves=leaves)
+
+    def draw(self, case: Case, like: torch.Tensor, salt: int) -> torch.Tensor:
+        """``upstream_like(like, case.seed, salt)``, drawn once per (variant, dtype, seed)."""
+        self._enter(_group(oracle_key(case)))
+        key = (tuple(like.shape), like.dtype, like.device, salt)
+        if key not in self._draws:
+            self._draws[key] = upstream_like(like, case.seed, salt)
+        return self._draws[key]
+
+    def _enter(self, group: Hashable) -> None:
+        if group != self._group:
+            self._group, self._inputs, self._draws = group, None, {}
 
     def get(self, key: Hashable, layout: str, make: Callable[[], Oracle]) -> Oracle:
         """The oracle for ``key`` in ``layout``, made on first use and kept while cases with this key
@@ -228,6 +281,9 @@ class OracleCache:
         self._left[key] -= 1
         if self._left[key] <= 0:
             self._held.pop(key, None)
+        self._group_left[_group(key)] -= 1
+        if self._group_left[_group(key)] <= 0 and _group(key) == self._group:
+            self._group, self._inputs, self._draws = None, None, {}
 
     def __len__(self) -> int:
         return len(self._held)

@@ -21,6 +21,7 @@ from memtrim.analysis.analysis import analyze
 from memtrim.analysis.footprint import Footprint
 from memtrim.capture.api import record
 from memtrim.verify.cases import seed_rngs
+from memtrim.verify.chunks import chunks
 from memtrim.verify.results import CallError, RunResult
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -98,9 +99,17 @@ def _snapshot(x: Any) -> torch.Tensor | None:
 
 
 def _changed(before: torch.Tensor | None, x: Any) -> bool:
+    """Whether ``x`` no longer holds the values ``before`` (in its own dtype and device, as the canonical
+    inputs are given; widening a float is exact), compared piece by piece so no temporary is
+    case-sized."""
     if before is None or not isinstance(x, torch.Tensor) or before.shape != x.shape:
         return before is not None
-    return not bool(same_bits(before, x.detach()).all())
+    after = x.detach()
+    for _, index in chunks(after.shape):
+        was = before[index].to(device=after.device, dtype=after.dtype)
+        if not bool(same_bits(was, after[index]).all()):
+            return True
+    return False
 
 
 def _alias_of(o: Any, leaves: list[Any]) -> int | None:
@@ -127,6 +136,7 @@ def run_callable(
     context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     seed: int | None = None,
     watch_inputs: bool = True,
+    originals: Sequence[Any] | None = None,
 ) -> RunResult:
     """Call ``fn(*make_args(leaves))``, then backpropagate ``grad_outputs(outputs)`` into the diff leaves.
 
@@ -140,6 +150,8 @@ def run_callable(
     version counter moved or its bits changed (``.data`` writes move no counter: ``mutated_silently``);
     its value afterwards is kept in ``updates``. ``aliases`` names, per output, the input it shares memory
     with. ``watch_inputs=False`` skips the copies of the inputs that comparing bits needs (memory runs).
+    ``originals``, when given, are the values the leaves hold before the call (the canonical inputs the
+    leaves were laid out from, one per leaf): the bits are compared with them, and no copy is made.
     """
     with seeded(seed, leaves):
         return _run_callable(
@@ -153,6 +165,7 @@ def run_callable(
             forward_context,
             context,
             watch_inputs,
+            originals,
         )
 
 
@@ -167,10 +180,16 @@ def _run_callable(
     forward_context: Callable[[], AbstractContextManager[Any]],
     context: Callable[[], AbstractContextManager[Any]],
     watch_inputs: bool,
+    originals: Sequence[Any] | None,
 ) -> RunResult:
     res = RunResult()
     versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
-    before = [_snapshot(x) if watch_inputs else None for x in leaves]
+    if not watch_inputs:
+        before: list[torch.Tensor | None] = [None] * len(leaves)
+    elif originals is not None:
+        before = [o if isinstance(x, torch.Tensor) else None for x, o in zip(leaves, originals, strict=True)]
+    else:
+        before = [_snapshot(x) for x in leaves]
     try:
         with context(), forward_context():
             out = fn(*make_args(leaves))

@@ -113,7 +113,16 @@ def _add(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     if func.overloadpacket is aten.rsub:
         a, b = b, a
-    tr.set(out, s=tr.value(out).abs(), e=tr.e(a) + alpha * tr.e(b))
+    # e(a) + alpha*e(b), each step rounded as written, with as few case-sized temporaries alive as
+    # can be (e() returns a new tensor, or the number 0.0)
+    ea, eb = tr.e(a), tr.e(b)
+    eb = eb.mul_(alpha) if isinstance(eb, torch.Tensor) else alpha * eb
+    if isinstance(ea, torch.Tensor) and isinstance(eb, torch.Tensor) and ea.shape == out.shape:
+        e = ea.add_(eb)
+    else:
+        e = ea + eb
+    del ea, eb
+    tr.set(out, s=tr.value(out).abs(), e=e)
     return out
 
 

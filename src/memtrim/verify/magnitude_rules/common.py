@@ -37,7 +37,7 @@ def prop(d: Any, e: Any) -> Any:
         return 0.0 if e == 0.0 else d * e
     if not isinstance(d, torch.Tensor):
         return e * abs(d) if d != 0 else torch.zeros_like(e)
-    return torch.where((e == 0) | (d == 0), 0.0, d.abs() * e)
+    return (d.abs() * e).masked_fill_((e == 0) | (d == 0), 0.0)
 
 
 def product(a: Any, b: Any, op: Callable[..., torch.Tensor]) -> Any:
