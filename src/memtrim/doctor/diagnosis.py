@@ -34,12 +34,14 @@ the original against a float64 reference: ``memtrim.verify.verify(..., mode="ref
 ``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
 KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
 
+PROOF_NAMES = "# with original, rewrite: your code before and after the fix as functions; inputs: a tuple of their arguments"
 PROOF = {
-    keeps: f"from memtrim.verify import verify\nverify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
+    keeps: f"{PROOF_NAMES}\nfrom memtrim.verify import verify\nverify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
     for keeps in ("exact", "reference")
 }
-"""The default runnable check per ``keeps``: ``original`` and ``rewrite`` are the code before and after
-the fix as functions of ``inputs`` (a tuple of example arguments)."""
+"""The default runnable check per ``keeps``: its first line names what it needs bound (``# with NAME:
+what; ...``): ``original`` and ``rewrite``, the code before and after the fix as functions of the
+tuple ``inputs``."""
 
 MATERIAL = 0.01
 """A fix is reported when it lowers the peak by at least this share of it (1%): advice worth less is

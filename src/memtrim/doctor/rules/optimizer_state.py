@@ -38,7 +38,8 @@ _ADAM_STEP = frozenset({"lerp_", "_foreach_lerp_"})
 """Ops only Adam and AdamW's update runs among torch.optim's (``exp_avg.lerp_(grad, 1 - beta1)``)."""
 _ZERO = frozenset({"zero_", "_foreach_zero_"})
 
-PROOF_IN_BACKWARD = """import copy, torch, memtrim.fixes
+PROOF_IN_BACKWARD = """# with model, optimizer: the loop's; loss_fn: loss_fn(model) is one batch's loss
+import copy, torch, memtrim.fixes
 a, a_optimizer = copy.deepcopy((model, optimizer))
 b, b_optimizer = copy.deepcopy((model, optimizer))
 handle = memtrim.fixes.optimizer_in_backward(b_optimizer)
@@ -244,8 +245,8 @@ def _adafactor(
             f"({len(moments) // 2} parameters)"
         ),
         fix=(
-            "torch.optim.Adafactor(model.parameters(), lr=...) in place of Adam/AdamW: factored second "
-            f"moments ([rows, 1] and [1, cols] per matrix, {format_bytes(after)} in all), no first moment"
+            "torch.optim.Adafactor(model.parameters()) in place of Adam/AdamW (lr=1e-2 by default): factored "
+            f"second moments ([rows, 1] and [1, cols] per matrix, {format_bytes(after)} in all), no first moment"
         ),
         allocations=tuple(moments),
         edits=Edits(remove=frozenset(remove), resize=resize),
