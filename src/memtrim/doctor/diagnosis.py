@@ -43,6 +43,22 @@ PROOF = {
 what; ...``): ``original`` and ``rewrite``, the code before and after the fix as functions of the
 tuple ``inputs``."""
 
+LIVE_PROOF_NAMES = (
+    "# with model, batch: the model before the apply code, one batch of its step; "
+    "loss_fn: loss_fn(model, batch) is the step's loss"
+)
+
+
+def live_proof(code: str, keeps: VerifyMode) -> str:
+    """The runnable check of apply code that changes the live ``model``: ``verify_fix`` runs one step of
+    the model as it is and of a deep copy the code changed (loss, gradients, updated buffers)."""
+    body = "\n".join(f"    {line}" for line in code.splitlines())
+    return (
+        f"{LIVE_PROOF_NAMES}\nfrom memtrim.verify import verify_fix\ndef fix(model):\n{body}\n"
+        f"verify_fix(model, fix, batch, loss=loss_fn, mode={keeps!r}).assert_ok()"
+    )
+
+
 MATERIAL = 0.01
 """A fix is reported when it lowers the peak by at least this share of it (1%): advice worth less is
 noise a reader has to rule out."""
@@ -131,6 +147,7 @@ def finding(
     :data:`MATERIAL` of it (or touches nothing alive at the peak, which cannot lower it)."""
     peak = analysis.peak
     blamed = tuple(allocations)
+    named = tuple(binds)
     device = peak.device
     touched = edits.touched()
     if device is None or not touched & analysis.alive_ids_at_peak:
@@ -157,10 +174,19 @@ def finding(
         cost=cost,
         note=note,
         code=code,
-        binds=tuple(binds),
-        proof=proof if proof is not None else PROOF.get(keeps) if keeps else None,
+        binds=named,
+        proof=proof if proof is not None else _default_proof(code, named, keeps),
         edits=edits,
     )
+
+
+def _default_proof(code: str | None, binds: tuple[tuple[str, str], ...], keeps: Keeps | None) -> str | None:
+    """:func:`live_proof` of apply code that changes ``model``, else :data:`PROOF` of a rewrite."""
+    if keeps not in ("exact", "reference"):
+        return None
+    if code is not None and "model" in dict(binds):
+        return live_proof(code, keeps)
+    return PROOF[keeps]
 
 
 def diagnose(analysis: Analysis) -> list[Diagnosis]:
