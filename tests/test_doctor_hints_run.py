@@ -30,7 +30,8 @@ from test_doctor_programs import Tower
 
 import memtrim
 from memtrim.cases.heads import head_results_broadcast
-from memtrim.doctor import Diagnosis
+from memtrim.doctor import DIAGNOSES, Diagnosis
+from memtrim.doctor.diagnosis import PROOF
 
 MODULES: dict[str, Any] = {"memtrim": memtrim, "torch": torch}
 """What a printed line may name without binding it: the modules it spells out by dotted path."""
@@ -47,17 +48,21 @@ LOOKS_LIKE_CODE = re.compile(r"^(\w+ = )?[\w.]+\(")
 
 
 def declared(code: str) -> list[str]:
-    """The names a proof's first line says it needs: ``# with a, b: ...; c: ...`` -> a, b, c."""
+    """The names a proof's first line says it needs: ``# with a, b, c: what they are`` -> a, b, c."""
     first = code.splitlines()[0]
-    assert first.startswith("# with "), f"the proof does not say what it needs bound:\n{code}"
-    return [n.strip() for clause in first[len("# with ") :].split("; ") for n in clause.split(":")[0].split(",")]
+    assert first.startswith("# with ") and ":" in first, (
+        f"the proof does not say what it needs bound:\n{code}"
+    )
+    return [name.strip() for name in first[len("# with ") :].split(":", 1)[0].split(",")]
 
 
 def free_names(code: str) -> set[str]:
     """Names the code reads and does not assign itself."""
     tree = ast.parse(code)
     stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    stored |= {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    stored |= {
+        a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
     loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return loaded - stored - set(dir(builtins))
 
@@ -85,7 +90,9 @@ def run(code: str, objects: dict[str, Any], names: list[str] | set[str]) -> dict
     return scope
 
 
-def as_function(code: str, params: tuple[str, ...], fixed: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+def as_function(
+    code: str, params: tuple[str, ...], fixed: Callable[..., dict[str, Any]]
+) -> Callable[..., Any]:
     """The printed write code as a function of ``params``: what it assigns (or its value), with the
     other names it reads from ``fixed(*args)``."""
     statement = code if re.match(r"^\w+ = ", code) else f"result = {code}"
@@ -246,6 +253,25 @@ def _tower_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
     return {"model": tower, "batch": torch.randn(8, 16), "loss_fn": lambda m, x: m(x).square().mean()}
 
 
+def _upcast() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(TOKENS, WIDTH, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(VOCAB, WIDTH, generator=gen).bfloat16().requires_grad_()
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+
+    def step() -> None:
+        logits = (hidden * 1) @ weight.t()
+        loss = F.cross_entropy(logits.float(), target)
+        del logits
+        loss.backward()
+
+    return {"trace": measure(step).trace}
+
+
+def _upcast_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
+    raise AssertionError("staying in bfloat16 changes the results: the finding must carry no proof")
+
+
 PLANTED = (
     Planted("eager-attention", _attention, _attention_proof),
     Planted("broadcast-then-reduce", _broadcast, _broadcast_proof),
@@ -255,6 +281,7 @@ PLANTED = (
     Planted("optimizer-state", _optimizer, _optimizer_proof),
     Planted("optimizer-step", _optimizer, _optimizer_proof),
     Planted("checkpoint-candidates", _tower, _tower_proof),
+    Planted("upcast-copy", _upcast, _upcast_proof),
 )
 
 
@@ -285,19 +312,23 @@ def test_a_broken_hint_fails_here() -> None:
     x, y = torch.randn(4, 3, 8, generator=gen), torch.randn(3, 8, 5, generator=gen)
     objects = {"original": head_results_broadcast, "inputs": (x, y)}
     # a name the proof does not declare is not bound: it raises instead of passing by accident
-    undeclared = "# with original: the code\nfrom memtrim.verify import verify\nverify(original, rewrite, inputs)"
+    undeclared = (
+        "# with original, inputs: the code\nfrom memtrim.verify import verify\nverify(original, rewrite, inputs)"
+    )
     with pytest.raises(NameError):
         run(undeclared, {**objects, "rewrite": head_results_broadcast}, declared(undeclared))
     with pytest.raises(AssertionError, match="does not say what it needs"):
         declared("from memtrim.verify import verify\nverify(original, rewrite, inputs)")
     # a rewrite that is not the original's result fails the printed proof's verdict
-    proof = memtrim.doctor.diagnosis.PROOF["reference"]
+    proof = PROOF["reference"]
     wrong = {**objects, "rewrite": lambda z, w: head_results_broadcast(z, w) * 1.01}
     with pytest.raises(AssertionError):
         run(proof, wrong, declared(proof))
     # a placeholder inside a printed call, and a name the text never says, fail the write check
     base = Diagnosis("logits-cross-entropy", None, "", "", (), 0, 0)
-    placeholder = "loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, the [4096, 64] weight, target), hidden h"
+    placeholder = (
+        "loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, the [4096, 64] weight, target), hidden h"
+    )
     with pytest.raises(SyntaxError):
         write_code(dataclasses.replace(base, fix=placeholder))
     unsaid = "loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, weight, target), hidden h, target t"

@@ -34,18 +34,18 @@ the original against a float64 reference: ``memtrim.verify.verify(..., mode="ref
 ``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
 KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
 
-PROOF_NAMES = "# with original, rewrite: your code before and after the fix as functions; inputs: a tuple of their arguments"
+PROOF_NAMES = "# with original, rewrite, inputs: the code before and after the fix, a tuple of its arguments"
 PROOF = {
-    keeps: f"{PROOF_NAMES}\nfrom memtrim.verify import verify\nverify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
+    keeps: f"{PROOF_NAMES}\nfrom memtrim.verify import verify\n"
+    f"verify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
     for keeps in ("exact", "reference")
 }
-"""The default runnable check per ``keeps``: its first line names what it needs bound (``# with NAME:
-what; ...``): ``original`` and ``rewrite``, the code before and after the fix as functions of the
-tuple ``inputs``."""
+"""The default runnable check per ``keeps``. Its first line names what it needs bound (``# with NAME,
+NAME: what they are``): ``original`` and ``rewrite``, the code before and after the fix as functions of
+the tuple ``inputs``."""
 
 LIVE_PROOF_NAMES = (
-    "# with model, batch: the model before the apply code, one batch of its step; "
-    "loss_fn: loss_fn(model, batch) is the step's loss"
+    "# with model, batch, loss_fn: the model (before apply), one batch, loss_fn(model, batch) its loss"
 )
 
 

@@ -453,10 +453,10 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
             safe_because=(
                 f"{up.op} widens {source.dtype} to {up.dtype}, element for element",
                 "every float operand of the ops after it is narrow, a scalar, or itself widened by it",
-                f"results change (arithmetic in {source.dtype}): check with memtrim.verify.verify(..., "
-                "mode='reference') that they are no less accurate than you need",
+                f"results change (arithmetic in {source.dtype}, less accurate than the upcast): a choice "
+                "of precision, not a rewrite that keeps them",
             ),
-            keeps="reference",
+            keeps="changes-training",
             module=up.module,
             note=f"the what-if keeps the {source.dtype} source instead of the copy and "
             f"{len(resize)} downstream buffers in {source.dtype}",
