@@ -242,16 +242,13 @@ def eager_attention(analysis: Analysis) -> list[Diagnosis]:
                 binds = (("model", called_object(analysis, p.module)),)
         else:
             steps = [flow.names[i] for i in reversed(first.steps)]
-            options, names = [], ["q, k, v as [batch, heads, seq, head_dim]"]
+            options, names = [], ["q, k, v [batch, heads, seq, head_dim]"]
             if any(n in ("add", "masked_fill", "where", "add_", "masked_fill_") for n in steps):
                 options.append("attn_mask=mask")
-                names.append(
-                    "mask True where a score is kept (not masked_fill's mask: its opposite) or the "
-                    "float mask added; is_causal=True in place of attn_mask for a causal one"
-                )
+                names.append("mask True where a score is kept (or is_causal=True in its place)")
             if any(n in ("mul", "div", "mul_", "div_") for n in steps):
                 options.append("scale=scale")
-                names.append("scale the factor the scores get (1/sqrt(head_dim) by default)")
+                names.append("scale the scores' factor")
             fix = (
                 "out = torch.nn.functional.scaled_dot_product_attention(q, k, v"
                 + "".join(", " + o for o in options)
