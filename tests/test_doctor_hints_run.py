@@ -326,9 +326,8 @@ def test_a_broken_hint_fails_here() -> None:
     x, y = torch.randn(4, 3, 8, generator=gen), torch.randn(3, 8, 5, generator=gen)
     objects = {"original": head_results_broadcast, "inputs": (x, y)}
     # a name the proof does not declare is not bound: it raises instead of passing by accident
-    undeclared = (
-        "# with original, inputs: the code\nfrom memtrim.verify import verify\nverify(original, rewrite, inputs)"
-    )
+    undeclared = "# with original, inputs: the code\nfrom memtrim.verify import verify\n"
+    undeclared += "verify(original, rewrite, inputs)"
     with pytest.raises(NameError):
         run(undeclared, {**objects, "rewrite": head_results_broadcast}, declared(undeclared))
     with pytest.raises(AssertionError, match="does not say what it needs"):
