@@ -1,8 +1,9 @@
 """Every hint a finding prints runs as printed, on the planted program the rule fires on (issue 19
 item 8): the "write" text where it is code (taken out of the printed fix by its rule's pattern), the
 "apply" code with its ``binds``, and the "prove it" code with the names its first line declares
-(``# with NAME: what; ...``). Each hint is executed in a namespace holding only the names it says it
-needs, bound to the planted program's own objects (and the modules it names by dotted path); a "prove
+(``# with NAME, ...: what they are``). Each hint is executed in a namespace holding only the names it says it
+needs, bound to the planted program's own objects (a write line also gets the modules it names by
+dotted path: apply and proof code import what they use); a "prove
 it" hint's ``rewrite`` is the printed write code where there is one, and its verdict must pass.
 ``test_a_broken_hint_fails_here`` shows that each check fails on a hint that does not run as printed."""
 
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 from doctor_support import findings, measure
 from programs import ScaledDifference
 from test_diagnoses import InPlace
-from test_doctor_attention import CAUSAL, attend
+from test_doctor_attention import CAUSAL, _tiny, attend
+from test_doctor_models import TOKENS as GPT2_TOKENS
+from test_doctor_models import doctor_gpt2
 from test_doctor_optimizer_state import X, _loop, _loss, _model
 from test_doctor_programs import Tower
 
@@ -37,7 +40,8 @@ MODULES: dict[str, Any] = {"memtrim": memtrim, "torch": torch}
 """What a printed line may name without binding it: the modules it spells out by dotted path."""
 
 WRITE_CODE = {
-    "logits-cross-entropy": r"(loss = memtrim\.fixes\.\w+\(.*?\)), (?:hidden|labels) ",
+    "logits-cross-entropy": r"(loss = memtrim\.fixes\.\w+\(.*?\)), (?:hidden|labels) |"
+    r"(memtrim\.fixes\.chunked_loss\(model, chunk_size=\d+\)): ",
     "broadcast-then-reduce": r"(torch\.einsum\(.*?\)(?:\.div_\(\d+\))?) for ",
     "eager-attention": r"(out = torch\.nn\.functional\.scaled_dot_product_attention\(.*?\)) in place of ",
     "optimizer-state": r"(torch\.optim\.Adafactor\(.*?\)\)) in place of ",
@@ -76,16 +80,20 @@ def write_code(d: Diagnosis) -> str | None:
     assert pattern is not None, f"{d.rule}: a write text that looks like code, with no pattern here: {d.fix}"
     found = re.match(pattern, d.fix)
     assert found, f"{d.rule}: {d.fix}"
-    code, rest = found.group(1), d.fix[found.end(1) :]
+    group = next(i for i in range(1, len(found.groups()) + 1) if found.group(i) is not None)
+    code, rest = found.group(group), d.fix[found.end(group) :]
     explained = rest + "".join(f" {name} " for name, _ in d.binds)
     for name in free_names(code) - set(MODULES):
         assert re.search(rf"\b{name}\b", explained), f"{d.rule}: {name!r} is not said in {d.fix!r}"
     return code
 
 
-def run(code: str, objects: dict[str, Any], names: list[str] | set[str]) -> dict[str, Any]:
-    """Execute ``code`` with only ``names`` bound (from ``objects``) and the modules it names."""
-    scope = {**MODULES, **{n: objects[n] for n in names}}
+def run(
+    code: str, objects: dict[str, Any], names: list[str] | set[str], *, modules: bool = False
+) -> dict[str, Any]:
+    """Execute ``code`` with only ``names`` bound (from ``objects``); with ``modules``, also the modules
+    a write line names by dotted path (apply and proof code import what they use themselves)."""
+    scope = {**(MODULES if modules else {}), **{n: objects[n] for n in names}}
     exec(code, scope)
     return scope
 
@@ -100,9 +108,12 @@ def as_function(
 
     def function(*args: Any) -> Any:
         bound = {**fixed(*args), **dict(zip(params, args, strict=True))}
-        return run(statement, bound, free_names(statement) - set(MODULES))[target]
+        return run(statement, bound, free_names(statement) - set(MODULES), modules=True)[target]
 
     return function
+
+
+ProofNames = Callable[[Diagnosis, str | None], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -110,8 +121,9 @@ class Planted:
     rule: str
     run: Callable[[], dict[str, Any]]
     """Runs the planted program under memtrim; returns the trace and the objects its hints name."""
-    proof: Callable[[Diagnosis, str | None], dict[str, Any]]
+    proof: ProofNames
     """The names a finding's proof uses (given the finding and its printed write code)."""
+    name: str = ""
 
 
 def _attention() -> dict[str, Any]:
@@ -272,6 +284,36 @@ def _upcast_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
     raise AssertionError("staying in bfloat16 changes the results: the finding must carry no proof")
 
 
+def _transformers_batch(vocab: int, tokens: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _hf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _llama() -> dict[str, Any]:
+    model = _tiny("llama")
+    batch = _transformers_batch(256, 256)
+    return {"trace": measure(lambda: _hf_loss(model, batch).backward()).trace, "model": model}
+
+
+def _gpt2() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = doctor_gpt2(layers=1)
+    batch = _transformers_batch(16384, GPT2_TOKENS)
+    return {"trace": measure(lambda: _hf_loss(model, batch).backward()).trace, "model": model}
+
+
+def _transformers_proof(build: Callable[[], torch.nn.Module], vocab: int) -> ProofNames:
+    def proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
+        # a fresh model of the same config (the program's own is changed by the apply code after)
+        return {"model": build(), "batch": _transformers_batch(vocab, 8), "loss_fn": _hf_loss}
+
+    return proof
+
+
 PLANTED = (
     Planted("eager-attention", _attention, _attention_proof),
     Planted("broadcast-then-reduce", _broadcast, _broadcast_proof),
@@ -282,6 +324,13 @@ PLANTED = (
     Planted("optimizer-step", _optimizer, _optimizer_proof),
     Planted("checkpoint-candidates", _tower, _tower_proof),
     Planted("upcast-copy", _upcast, _upcast_proof),
+    Planted("eager-attention", _llama, _transformers_proof(lambda: _tiny("llama"), 256), "transformers"),
+    Planted(
+        "logits-cross-entropy",
+        _gpt2,
+        _transformers_proof(lambda: doctor_gpt2(layers=1), 16384),
+        "transformers",
+    ),
 )
 
 
@@ -299,7 +348,9 @@ def test_every_rule_is_planted_here_or_says_where_it_is_run() -> None:
     assert {p.rule for p in PLANTED} | set(NOT_PLANTED_HERE) == set(DIAGNOSES)
 
 
-@pytest.mark.parametrize("planted", PLANTED, ids=[p.rule for p in PLANTED])
+@pytest.mark.parametrize(
+    "planted", PLANTED, ids=[f"{p.rule}-{p.name}" if p.name else p.rule for p in PLANTED]
+)
 def test_each_hint_runs_as_printed_on_its_planted_program(planted: Planted) -> None:
     objects = planted.run()
     found = findings(objects.pop("trace"), planted.rule)
@@ -309,16 +360,18 @@ def test_each_hint_runs_as_printed_on_its_planted_program(planted: Planted) -> N
         if d.proof:
             names = planted.proof(d, write)
             run(d.proof, names, declared(d.proof))  # verify(...).assert_ok() raises on a failed verdict
-        if write is not None and d.rule in ("optimizer-state", "checkpoint-candidates"):
+        if write is not None and free_names(write) - set(MODULES) == {"model"}:
             # code that builds or changes something (the proofs ran the others' write code), on a copy
             live = {**objects, "model": copy.deepcopy(objects["model"])}
-            made = run(f"made = {write}", live, free_names(write) - set(MODULES))["made"]
+            made = run(f"made = {write}", live, free_names(write) - set(MODULES), modules=True)["made"]
             if isinstance(made, torch.optim.Optimizer):
                 _loss(live["model"]).backward()
                 made.step()
         if d.code:  # last: it changes the program's own objects
             run(d.code, objects, [n for n, _ in d.binds])
         assert d.proof or d.keeps == "changes-training", d  # every fix that keeps results says how
+        if planted.name == "transformers":  # apply code on the model, proved with verify_fix
+            assert d.code and d.proof and "verify_fix(model, fix, batch" in d.proof, d
 
 
 def test_a_broken_hint_fails_here() -> None:
@@ -330,6 +383,8 @@ def test_a_broken_hint_fails_here() -> None:
     undeclared += "verify(original, rewrite, inputs)"
     with pytest.raises(NameError):
         run(undeclared, {**objects, "rewrite": head_results_broadcast}, declared(undeclared))
+    with pytest.raises(NameError):  # a proof that uses a module it does not import
+        run("# with x: a tensor\ntorch.equal(x, x)", {"x": x}, ["x"])
     with pytest.raises(AssertionError, match="does not say what it needs"):
         declared("from memtrim.verify import verify\nverify(original, rewrite, inputs)")
     # a rewrite that is not the original's result fails the printed proof's verdict
