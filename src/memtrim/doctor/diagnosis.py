@@ -96,7 +96,8 @@ class Diagnosis:
     """(name, what it is) for each free name :attr:`code` uses: ``("model", "the GPT2LMHeadModel the
     step calls")``."""
     proof: str | None = None
-    """Runnable code that proves the fix keeps what :attr:`keeps` says (:data:`PROOF` by default)."""
+    """Runnable code that proves the fix keeps what :attr:`keeps` says; its first line names what it
+    needs bound. By default :func:`live_proof` of :attr:`code` that changes ``model``, else :data:`PROOF`."""
     edits: Edits = field(default_factory=Edits, repr=False, compare=False)
     """The what-if the peak after was replayed with."""
 
