@@ -82,7 +82,10 @@ def test_the_printed_proof_runs_and_holds() -> None:
     trace = measure(_loop(model, optimizer)).trace
     d = _finding(findings(trace, "optimizer-state"), "optimizer_in_backward")
     assert d.proof is not None
-    exec(d.proof, {"model": model, "optimizer": optimizer, "loss_fn": _loss})
+    exec(
+        d.proof,
+        {"model": model, "optimizer": optimizer, "batch": X, "loss_fn": lambda m, x: m(x).square().mean()},
+    )
 
 
 def test_clipping_the_global_norm_makes_the_step_in_backward_change_training() -> None:

@@ -60,7 +60,8 @@ def test_logits_cross_entropy_fires_at_the_loss_and_the_chunked_loss_measures_it
     (finding,) = findings(before.trace, "logits-cross-entropy")
     assert finding.site is not None and finding.site.line == line_of("planted: loss")
     assert [s.line for s in finding.sites] == [line_of("planted: loss"), line_of("planted: lm_head")]
-    assert "memtrim.fixes.chunked_linear_cross_entropy(hidden, the [4096, 64] weight, target" in finding.fix
+    assert "memtrim.fixes.chunked_linear_cross_entropy(hidden, weight, target" in finding.fix
+    assert "weight the [4096, 64] weight" in finding.fix
     assert f"[{TOKENS}, {WIDTH}] input" in finding.fix
     # the four [tokens, vocab] buffers: logits, saved log-softmax, two gradients in backward; and the
     # scaled copy of hidden the matmul saved (the fix is handed hidden itself, the scale folded in)

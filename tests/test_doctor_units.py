@@ -206,7 +206,8 @@ def test_the_terminal_section_is_a_few_lines_per_finding_and_its_code_runs_as_pr
     )
     head, *code = section[4].split("\n")
     assert head == "    keeps: no less accurate than before; prove it:"
-    assert len(code) == 2 and all(line.startswith("      ") for line in code)
+    assert len(code) == 3 and all(line.startswith("      ") for line in code)
+    assert code[0].startswith("      # with original, rewrite, inputs: ")  # what the proof needs bound
     # the hint runs as printed, with the names it names bound to the program's code before and after
     import torch
 

@@ -34,12 +34,30 @@ the original against a float64 reference: ``memtrim.verify.verify(..., mode="ref
 ``changes-training`` (a different optimizer, precision or batch statistics: a choice, not a rewrite)."""
 KEEPS: tuple[Keeps, ...] = ("exact", "reference", "changes-training")
 
+PROOF_NAMES = "# with original, rewrite, inputs: the code before and after the fix, a tuple of its arguments"
 PROOF = {
-    keeps: f"from memtrim.verify import verify\nverify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
+    keeps: f"{PROOF_NAMES}\nfrom memtrim.verify import verify\n"
+    f"verify(original, rewrite, inputs, mode={keeps!r}).assert_ok()"
     for keeps in ("exact", "reference")
 }
-"""The default runnable check per ``keeps``: ``original`` and ``rewrite`` are the code before and after
-the fix as functions of ``inputs`` (a tuple of example arguments)."""
+"""The default runnable check per ``keeps``. Its first line names what it needs bound (``# with NAME,
+NAME: what they are``): ``original`` and ``rewrite``, the code before and after the fix as functions of
+the tuple ``inputs``."""
+
+LIVE_PROOF_NAMES = (
+    "# with model, batch, loss_fn: the model (before apply), one batch, loss_fn(model, batch) its loss"
+)
+
+
+def live_proof(code: str, keeps: VerifyMode) -> str:
+    """The runnable check of apply code that changes the live ``model``: ``verify_fix`` runs one step of
+    the model as it is and of a deep copy the code changed (loss, gradients, updated buffers)."""
+    body = "\n".join(f"    {line}" for line in code.splitlines())
+    return (
+        f"{LIVE_PROOF_NAMES}\nfrom memtrim.verify import verify_fix\ndef fix(model):\n{body}\n"
+        f"verify_fix(model, fix, batch, loss=loss_fn, mode={keeps!r}).assert_ok()"
+    )
+
 
 MATERIAL = 0.01
 """A fix is reported when it lowers the peak by at least this share of it (1%): advice worth less is
@@ -78,7 +96,8 @@ class Diagnosis:
     """(name, what it is) for each free name :attr:`code` uses: ``("model", "the GPT2LMHeadModel the
     step calls")``."""
     proof: str | None = None
-    """Runnable code that proves the fix keeps what :attr:`keeps` says (:data:`PROOF` by default)."""
+    """Runnable code that proves the fix keeps what :attr:`keeps` says; its first line names what it
+    needs bound. By default :func:`live_proof` of :attr:`code` that changes ``model``, else :data:`PROOF`."""
     edits: Edits = field(default_factory=Edits, repr=False, compare=False)
     """The what-if the peak after was replayed with."""
 
@@ -129,6 +148,7 @@ def finding(
     :data:`MATERIAL` of it (or touches nothing alive at the peak, which cannot lower it)."""
     peak = analysis.peak
     blamed = tuple(allocations)
+    named = tuple(binds)
     device = peak.device
     touched = edits.touched()
     if device is None or not touched & analysis.alive_ids_at_peak:
@@ -155,10 +175,19 @@ def finding(
         cost=cost,
         note=note,
         code=code,
-        binds=tuple(binds),
-        proof=proof if proof is not None else PROOF.get(keeps) if keeps else None,
+        binds=named,
+        proof=proof if proof is not None else _default_proof(code, named, keeps),
         edits=edits,
     )
+
+
+def _default_proof(code: str | None, binds: tuple[tuple[str, str], ...], keeps: Keeps | None) -> str | None:
+    """:func:`live_proof` of apply code that changes ``model``, else :data:`PROOF` of a rewrite."""
+    if keeps not in ("exact", "reference"):
+        return None
+    if code is not None and "model" in dict(binds):
+        return live_proof(code, keeps)
+    return PROOF[keeps]
 
 
 def diagnose(analysis: Analysis) -> list[Diagnosis]:

@@ -242,16 +242,18 @@ def eager_attention(analysis: Analysis) -> list[Diagnosis]:
                 binds = (("model", called_object(analysis, p.module)),)
         else:
             steps = [flow.names[i] for i in reversed(first.steps)]
-            options = []
+            options, names = [], ["q, k, v [batch, heads, seq, head_dim]"]
             if any(n in ("add", "masked_fill", "where", "add_", "masked_fill_") for n in steps):
-                options.append("attn_mask=<the mask the scores get> (or is_causal=True for a causal one)")
+                options.append("attn_mask=mask")
+                names.append("mask True where a score is kept (or is_causal=True in its place)")
             if any(n in ("mul", "div", "mul_", "div_") for n in steps):
-                options.append("scale=<your scale> (the default is 1/sqrt(head_dim))")
+                options.append("scale=scale")
+                names.append("scale the scores' factor")
             fix = (
                 "out = torch.nn.functional.scaled_dot_product_attention(q, k, v"
                 + "".join(", " + o for o in options)
                 + f") in place of the matmul, softmax and matmul at {where(ops[first.scores_op].site)} "
-                f"to {where(ops[first.value_op].site)} (q, k, v as [batch, heads, seq, head_dim])"
+                f"to {where(ops[first.value_op].site)}, with {'; '.join(names)}"
             )
         diagnosis = finding(
             analysis,

@@ -231,12 +231,18 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
         chain = first.steps
         chunk = chunk_size(tokens, vocab, width, first.logits.dtype)
         removed, edits = _chunked_edits(losses, chunk)
-        weight = module_expression(first.logits.module, "weight") or f"the {dims(first.weight.shape)} weight"
+        # every name the printed call reads is a name, said after the call (runnable as printed)
+        weight = module_expression(first.logits.module, "weight") or "weight"
+        named = f", weight the {dims(first.weight.shape)} weight" if weight == "weight" else ""
         bias = ""
         if base_name(first.matmul.op) in ("addmm", "baddbmm", "linear"):
-            bias = ", bias=<the layer's bias>"
+            bias = f", bias={module_expression(first.logits.module, 'bias') or 'bias'}"
+            named += ", bias the layer's bias" if bias == ", bias=bias" else ""
         elif chain.bias is not None:
-            bias = f", bias=<the {dims(chain.bias.shape)} bias added at {where(first.chain[-2].site)}>"
+            bias = ", bias=bias"
+            named += f", bias the {dims(chain.bias.shape)} bias added at {where(first.chain[-2].site)}"
+        if weight != "weight" and first.logits.module:
+            named += f", model {called_object(analysis, first.logits.module)}"
         upcast = " and its upcast" if any(s.endswith(" copy") for s in chain.steps) else ""
         between = _chain_text(chain)
         buffers = len(first.chain) + 1 + len(first.backward)
@@ -246,7 +252,7 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
             hidden = f"the [{tokens}, {width}] input of the {scales} at {where(first.scaled[-1].site)}"
         fix = (
             f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}"
-            f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, target the [{tokens}] labels"
+            f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, target the [{tokens}] labels{named}"
         )
         code: str | None = None
         binds: tuple[tuple[str, str], ...] = ()
@@ -277,7 +283,7 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
                 fix = (
                     f"loss = memtrim.fixes.causal_lm_cross_entropy(hidden, {weight}, labels{bias}"
                     f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, labels the model's labels "
-                    "(shifted inside, as ForCausalLMLoss does)"
+                    f"(shifted inside, as ForCausalLMLoss does){named}"
                 )
                 note += "; chunked_loss(model) would drop the scale between the lm_head and the loss"
         problem = f"{dims((tokens, vocab))} {first.logits.dtype} logits{upcast}{between} feed cross_entropy"
@@ -512,10 +518,10 @@ def upcast_copy(analysis: Analysis) -> list[Diagnosis]:
             safe_because=(
                 f"{up.op} widens {source.dtype} to {up.dtype}, element for element",
                 "every float operand of the ops after it is narrow, a scalar, or itself widened by it",
-                f"results change (arithmetic in {source.dtype}): check with memtrim.verify.verify(..., "
-                "mode='reference') that they are no less accurate than you need",
+                f"results change (arithmetic in {source.dtype}, less accurate than the upcast): a choice "
+                "of precision, not a rewrite that keeps them",
             ),
-            keeps="reference",
+            keeps="changes-training",
             module=up.module,
             note=f"the what-if keeps the {source.dtype} source instead of the copy and "
             f"{len(resize)} downstream buffers in {source.dtype}",

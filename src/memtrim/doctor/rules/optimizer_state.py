@@ -38,16 +38,19 @@ _ADAM_STEP = frozenset({"lerp_", "_foreach_lerp_"})
 """Ops only Adam and AdamW's update runs among torch.optim's (``exp_avg.lerp_(grad, 1 - beta1)``)."""
 _ZERO = frozenset({"zero_", "_foreach_zero_"})
 
-PROOF_IN_BACKWARD = """import copy, torch, memtrim.fixes
+PROOF_IN_BACKWARD = (
+    "# with model, optimizer, batch, loss_fn: the loop's (before apply), loss_fn(model, batch) its loss\n"
+    """import copy, torch, memtrim.fixes
 a, a_optimizer = copy.deepcopy((model, optimizer))
 b, b_optimizer = copy.deepcopy((model, optimizer))
 handle = memtrim.fixes.optimizer_in_backward(b_optimizer)
 for _ in range(3):
-    loss_fn(a).backward()
+    loss_fn(a, batch).backward()
     a_optimizer.step()
     a_optimizer.zero_grad()
-    loss_fn(b).backward()
+    loss_fn(b, batch).backward()
 assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))"""
+)
 """Runnable proof that the step in backward trains the same, bit for bit, over three steps."""
 
 
@@ -244,8 +247,9 @@ def _adafactor(
             f"({len(moments) // 2} parameters)"
         ),
         fix=(
-            "torch.optim.Adafactor(model.parameters(), lr=...) in place of Adam/AdamW: factored second "
-            f"moments ([rows, 1] and [1, cols] per matrix, {format_bytes(after)} in all), no first moment"
+            "torch.optim.Adafactor(model.parameters()) in place of Adam/AdamW, model the module it "
+            "trains (lr=1e-2 by default): factored second moments "
+            f"([rows, 1] and [1, cols] per matrix, {format_bytes(after)} in all), no first moment"
         ),
         allocations=tuple(moments),
         edits=Edits(remove=frozenset(remove), resize=resize),
