@@ -144,3 +144,24 @@ def test_a_saved_plan_applies_again_and_a_head_that_is_not_an_nn_linear_is_left_
         logits = other(x).logits
     assert type(logits) is torch.Tensor and type(other.lm_head).forward is before
     assert "forward" not in other.lm_head.__dict__
+
+
+def test_the_doctors_finding_names_the_patch_and_the_patch_as_printed_lands_on_the_plans_peak() -> None:
+    import re
+
+    model, step = _gpt_step()
+    with memtrim.track() as trace:
+        step()  # type: ignore[operator]
+    (finding,) = [d for d in trace.diagnoses() if d.rule == "logits-cross-entropy"]
+    found = re.search(
+        r"(handle = memtrim\.fixes\.chunked_head_loss\(model\.lm_head, chunk_size=\d+\))", finding.note
+    )
+    assert found, finding.note
+    (option,) = [o for o in options_of(trace.analysis) if o.lever == "chunked-head-loss"]
+    namespace = {"memtrim": memtrim, "model": model}
+    exec(found.group(1), namespace)
+    measured = _profiled_peak(step)
+    namespace["handle"].remove()  # type: ignore[attr-defined]
+    predicted = trace.analysis.peak_with(option.edits)
+    assert abs(measured - predicted) <= 0.05 * measured
+    assert measured < 0.5 * trace.peak_bytes

@@ -261,6 +261,13 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
             f"buffers with one [{chunk}, {vocab}] tile in forward and one in backward"
             + (" (two with the softcap)" if chain.softcap is not None else "")
         )
+        head = module_expression(first.logits.module, "") if _patchable_head(first) else None
+        if head:
+            note += (
+                f"; or, the training code unchanged: handle = memtrim.fixes.chunked_head_loss("
+                f"{head}, chunk_size={chunk}) makes F.cross_entropy of its logits this loss "
+                "(what memtrim fit applies)"
+            )
         if _in_transformers_loss(first.log_probs.site):
             if chain.logit_scale == 1.0 and chain.bias is None:
                 # the model's own loss (ForCausalLMLoss: labels shifted, -100 ignored, fp32): patch the
@@ -378,18 +385,29 @@ class HeadLoss:
     """Tokens per call of the loss (its first)."""
 
 
+def _patchable_head(loss: _Loss) -> bool:
+    """Plain code, a head module, nothing between its logits and the loss but views, copies and the
+    upcast: what the deferred logits of ``chunked_head_loss`` take over."""
+    chain = loss.steps
+    plain = not chain.arithmetic and not chain.hidden_steps and chain.bias is None and not loss.scaled
+    return (
+        plain
+        and "." in (loss.logits.module or "")
+        and not _in_transformers_loss(loss.log_probs.site)
+        # a downcast: the deferred logits take only the upcast the loss makes
+        and all(step in ("copy", "float32 copy") for step in chain.steps)
+    )
+
+
 def head_losses(analysis: Analysis) -> list[HeadLoss]:
     """The losses :class:`HeadLoss` describes, one per line of code and head."""
     results = []
     for losses in _losses(analysis).values():
         first = losses[0]
         chain = first.steps
-        plain = not chain.arithmetic and not chain.hidden_steps and chain.bias is None and not first.scaled
         head = first.logits.module or ""
-        if not plain or "." not in head or _in_transformers_loss(first.log_probs.site):
+        if not _patchable_head(first):
             continue
-        if not all(step in ("copy", "float32 copy") for step in chain.steps):
-            continue  # a downcast: the deferred logits take only the upcast the loss makes
         chunk = chunk_size(first.tokens, first.vocab, first.width, first.logits.dtype)
         _, edits = _chunked_edits(losses, chunk)
         free_at = dict(edits.free_at)
