@@ -76,7 +76,7 @@ def test_torchrun_writes_a_trace_per_rank_and_show_compares_them(tmp_path: Path)
     peaks, phases = lines[2].split(), lines[3].split()
     assert peaks[0] == "peak" and phases == ["phase", "backward", "backward"]
     assert [" ".join(peaks[1:3]), " ".join(peaks[3:5])] == [format_bytes(t.peak_bytes) for t in traces]
-    assert max(len(line) for line in lines) <= 100
+    assert max(len(line) for line in lines) <= 100, [line for line in lines if len(line) > 100]
     assert "What differs between ranks at their peaks:" in shown.stdout
     assert "activation:" in shown.stdout
     assert "Rank 1 peaks highest; its report:" in shown.stdout

@@ -39,7 +39,7 @@ _ADAM_STEP = frozenset({"lerp_", "_foreach_lerp_"})
 _ZERO = frozenset({"zero_", "_foreach_zero_"})
 
 PROOF_IN_BACKWARD = (
-    "# with model, optimizer, batch, loss_fn: the loop's (before apply), loss_fn(model, batch) its loss\n"
+    "# with model, optimizer, batch, loss_fn: yours, before apply; loss_fn(model, batch): the loss\n"
     """import copy, torch, memtrim.fixes
 a, a_optimizer = copy.deepcopy((model, optimizer))
 b, b_optimizer = copy.deepcopy((model, optimizer))
