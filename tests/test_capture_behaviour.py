@@ -4,10 +4,12 @@ pack hooks; and the one change memtrim cannot avoid (gradient sums go out of pla
 from __future__ import annotations
 
 import _thread
+import contextlib
 import itertools
 import json
 import operator
 import os
+import signal
 
 import pytest
 import torch
@@ -24,7 +26,11 @@ def test_ctrl_c_during_a_free_is_raised_every_time() -> None:
     # starmap), so the next Python code to run is whatever the free calls. That used to be memtrim's
     # weakref callback, where the KeyboardInterrupt was printed as "Exception ignored" and lost.
     raised = 0
-    with memtrim.track() as trace:
+    # Python's own SIGINT handler, whatever this process inherited: a run started in the background by a
+    # shell without job control inherits SIGINT ignored, and interrupt_main then does nothing
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.ExitStack() as restore, memtrim.track() as trace:
+        restore.callback(signal.signal, signal.SIGINT, previous)
         for _ in range(50):
             holder = [torch.ones(1000) * 2]  # made in the region: memtrim watches its free
             try:
