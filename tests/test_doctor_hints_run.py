@@ -29,7 +29,7 @@ from test_doctor_attention import CAUSAL, _tiny, attend
 from test_doctor_models import TOKENS as GPT2_TOKENS
 from test_doctor_models import doctor_gpt2
 from test_doctor_optimizer_state import X, _loop, _loss, _model
-from test_doctor_programs import Tower
+from test_doctor_programs import CachingAttention, Tower
 
 import memtrim
 from memtrim.cases.heads import head_results_broadcast
@@ -46,6 +46,7 @@ WRITE_CODE = {
     "eager-attention": r"(out = torch\.nn\.functional\.scaled_dot_product_attention\(.*?\)) in place of ",
     "optimizer-state": r"(torch\.optim\.Adafactor\(.*?\)\)) in place of ",
     "checkpoint-candidates": r"(memtrim\.fixes\.checkpoint_modules\(model, \[.*?\]\))",
+    "optimizer-step": r"(optimizer\.zero_grad\(set_to_none=True\)) \(the default\)",
 }
 """Where the code of a rule's write text ends and its explanation (what each name is) begins."""
 LOOKS_LIKE_CODE = re.compile(r"^(\w+ = )?[\w.]+\(")
@@ -233,23 +234,58 @@ def _optimizer() -> dict[str, Any]:
     return {"trace": trace, "model": model, "optimizer": optimizer, "loss_fn": _loss}
 
 
-def _adam_step(**kind: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def step(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        w = weight.detach().clone().requires_grad_()
-        w.grad = grad.detach().clone()
-        torch.optim.AdamW([w], lr=1e-3, **kind).step()
-        return w.detach()
-
-    return step
-
-
 def _optimizer_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
-    if d.rule == "optimizer-step":  # fused=True in place of the recorded foreach step
-        inputs = (torch.randn(64, 32), torch.randn(64, 32))
-        return {"original": _adam_step(foreach=True), "rewrite": _adam_step(fused=True), "inputs": inputs}
+    # a fresh model and optimizer as the program built them (the apply code changes the program's own)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return {"model": model, "optimizer": optimizer, "batch": X, "loss_fn": lambda m, x: m(x).square().mean()}
+
+
+def _zeroed() -> dict[str, Any]:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # for-loop step: no step temporaries
+
+    def loop() -> None:
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=False)  # kept zeroed through the next forward
+            _loss(model).backward()
+            optimizer.step()
+
+    return {"trace": measure(loop).trace, "model": model, "optimizer": optimizer}
+
+
+def _zeroed_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {"model": model, "optimizer": optimizer, "batch": X, "loss_fn": lambda m, x: m(x).square().mean()}
+
+
+def _caching() -> dict[str, Any]:
+    torch.manual_seed(0)
+    attention, x = CachingAttention(), torch.randn(8, 512, 64)
+    return {"trace": measure(lambda: attention(x).square().mean().backward()).trace}
+
+
+def _caching_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    attention = CachingAttention(width=16)
+    return {
+        "original": lambda x: attention(x),
+        "rewrite": lambda x: attention(x, use_cache=False),  # the printed fix: use_cache=False
+        "inputs": (torch.randn(2, 8, 16, requires_grad=True),),
+    }
+
+
+def _gpt2_cache() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = doctor_gpt2(vocab=256, width=128, layers=1)
+    batch = _transformers_batch(256, GPT2_TOKENS)
+
+    def step() -> None:
+        out = model(**batch)  # the output, and the cache it holds, kept through backward
+        out.loss.backward()
+
+    return {"trace": measure(step).trace, "model": model}
 
 
 def _tower() -> dict[str, Any]:
@@ -322,6 +358,14 @@ PLANTED = (
     Planted("out-of-place-chain", _chain, _chain_proof),
     Planted("optimizer-state", _optimizer, _optimizer_proof),
     Planted("optimizer-step", _optimizer, _optimizer_proof),
+    Planted("optimizer-step", _zeroed, _zeroed_proof, "zeroed"),
+    Planted("cache-in-training", _caching, _caching_proof),
+    Planted(
+        "cache-in-training",
+        _gpt2_cache,
+        _transformers_proof(lambda: doctor_gpt2(vocab=256, width=128, layers=1), 256),
+        "transformers",
+    ),
     Planted("checkpoint-candidates", _tower, _tower_proof),
     Planted("upcast-copy", _upcast, _upcast_proof),
     Planted("eager-attention", _llama, _transformers_proof(lambda: _tiny("llama"), 256), "transformers"),
@@ -339,8 +383,6 @@ NOT_PLANTED_HERE = {
     "fsdp-reshard-after-forward": "tests/test_doctor_fsdp.py",
     "ddp-gradient-as-bucket-view": "tests/test_doctor_ddp.py",
     "all-gather-saved-for-backward": "tests/test_doctor_gather.py",
-    # a prose fix (use_cache=False) on a module: measured there, its proof not run here
-    "cache-in-training": "tests/test_doctor_programs.py",
 }
 
 

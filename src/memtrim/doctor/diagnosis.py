@@ -44,6 +44,21 @@ PROOF = {
 NAME: what they are``): ``original`` and ``rewrite``, the code before and after the fix as functions of
 the tuple ``inputs``."""
 
+MODULE_PROOF_NAMES = (
+    "# with original, rewrite, inputs: the code before and after the fix, calling your model, a tuple of "
+    "its arguments"
+)
+
+
+def module_proof(keeps: VerifyMode, dtype: str) -> str:
+    """The runnable check of a rewrite of code that calls a module: ``verify`` draws its inputs in the
+    module's own dtype only (its weights stay in theirs, so other dtypes would not run)."""
+    return (
+        f"{MODULE_PROOF_NAMES}\nimport torch\nfrom memtrim.verify import verify\n"
+        f"verify(original, rewrite, inputs, mode={keeps!r}, dtypes=[torch.{dtype}]).assert_ok()"
+    )
+
+
 LIVE_PROOF_NAMES = (
     "# with model, batch, loss_fn: the model (before apply), one batch, loss_fn(model, batch) its loss"
 )
@@ -176,18 +191,31 @@ def finding(
         note=note,
         code=code,
         binds=named,
-        proof=proof if proof is not None else _default_proof(code, named, keeps),
+        proof=proof if proof is not None else _default_proof(code, named, keeps, module, blamed),
         edits=edits,
     )
 
 
-def _default_proof(code: str | None, binds: tuple[tuple[str, str], ...], keeps: Keeps | None) -> str | None:
-    """:func:`live_proof` of apply code that changes ``model``, else :data:`PROOF` of a rewrite."""
+def _default_proof(
+    code: str | None,
+    binds: tuple[tuple[str, str], ...],
+    keeps: Keeps | None,
+    module: str | None,
+    blamed: tuple[Allocation, ...],
+) -> str | None:
+    """:func:`live_proof` of apply code that changes ``model``; else, for a rewrite of code inside a
+    module, :func:`module_proof` in the dtype of what the fix removes; else :data:`PROOF`."""
     if keeps not in ("exact", "reference"):
         return None
     if code is not None and "model" in dict(binds):
         return live_proof(code, keeps)
+    dtypes = [a.dtype for a in blamed if a.dtype in _FLOATING]
+    if module and dtypes:
+        return module_proof(keeps, dtypes[0])
     return PROOF[keeps]
+
+
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def diagnose(analysis: Analysis) -> list[Diagnosis]:

@@ -14,6 +14,8 @@
   (``"transformer.h.*"``), bit-exact, undoable.
 - :func:`optimizer_in_backward`: the optimizer's step run per parameter inside backward, each gradient
   freed as soon as it is applied (bit for bit for per-parameter optimizers), undoable.
+- :func:`optimizer_options`: ``handle = optimizer_options(optimizer, fused=True, foreach=False)`` sets
+  options on a live optimizer's groups as if it had been built with them; ``handle.remove()`` undoes it.
 """
 
 from memtrim.fixes.checkpoint import CheckpointHandle, checkpoint_modules, glob_to_regex
@@ -24,7 +26,12 @@ from memtrim.fixes.cross_entropy import (
 )
 from memtrim.fixes.head_loss import ChunkedHeadLossHandle, DeferredLogits, chunked_head_loss
 from memtrim.fixes.hf_loss import ChunkedLossHandle, chunked_loss
-from memtrim.fixes.optimizer import OptimizerInBackwardHandle, optimizer_in_backward
+from memtrim.fixes.optimizer import (
+    OptimizerInBackwardHandle,
+    OptimizerOptionsHandle,
+    optimizer_in_backward,
+    optimizer_options,
+)
 
 __all__ = [
     "CheckpointHandle",
@@ -32,6 +39,7 @@ __all__ = [
     "ChunkedLossHandle",
     "DeferredLogits",
     "OptimizerInBackwardHandle",
+    "OptimizerOptionsHandle",
     "auto_chunk_size",
     "causal_lm_cross_entropy",
     "checkpoint_modules",
@@ -40,4 +48,5 @@ __all__ = [
     "chunked_loss",
     "glob_to_regex",
     "optimizer_in_backward",
+    "optimizer_options",
 ]

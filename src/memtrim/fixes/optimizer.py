@@ -19,6 +19,9 @@ training is the same bit for bit. Each parameter's step first takes its group's 
 original optimizer's group holds them then, so a learning-rate scheduler of the original optimizer keeps
 working. It is not for global gradient-norm clipping (no parameter's step can wait for the others'
 gradients) or gradient accumulation (it steps at every backward).
+
+:func:`optimizer_options` sets options such as ``fused=True`` on a live optimizer's groups, as if it had
+been built with them (:func:`memtrim.verify.verify_optimizer` proves the step no less accurate).
 """
 
 from __future__ import annotations
@@ -97,4 +100,93 @@ def _stepper(single: torch.optim.Optimizer, group: dict[str, Any]) -> Any:
     return step
 
 
-__all__ = ["OptimizerInBackwardHandle", "optimizer_in_backward"]
+# -- options of a live optimizer (fused=True, foreach=False) --------------------------------------------
+FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+"""The optimizers whose fused step memtrim offers (their update is ``lerp_``; fused on CPU and CUDA)."""
+
+
+def fusable(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why torch's fused Adam/AdamW cannot take ``optimizer``'s parameters and groups; None if it can."""
+    if not isinstance(optimizer, FUSED_ADAM):
+        return f"memtrim offers fused=True for Adam and AdamW, not {type(optimizer).__name__}"
+    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    for group in optimizer.param_groups:
+        for option in ("differentiable", "capturable"):
+            if group.get(option):
+                return f"a group has {option}=True, which the fused step does not take here"
+        for p in group["params"]:
+            if p.device.type not in supported:
+                return f"a parameter is on {p.device.type}, where torch has no fused step"
+            if not torch.is_floating_point(p):
+                return f"a parameter is {p.dtype}, not floating point"
+    return None
+
+
+@dataclass
+class OptimizerOptionsHandle:
+    """What :func:`optimizer_options` changed: ``before[i]`` is group ``i``'s old value of each option."""
+
+    optimizer: torch.optim.Optimizer
+    options: dict[str, Any]
+    before: list[dict[str, Any]]
+    _moved: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Give each group its options back, and each moved step counter its device (its value kept)."""
+        for group, old in zip(self.optimizer.param_groups, self.before, strict=False):
+            group.update(old)
+        for state, step in self._moved:
+            with torch.no_grad():
+                step.copy_(state["step"])
+            state["step"] = step
+        self.before, self._moved = [], []
+
+
+def optimizer_options(optimizer: torch.optim.Optimizer, **options: Any) -> OptimizerOptionsHandle:
+    """Set ``options`` (``fused=True, foreach=False``, ...) on every group of a live ``optimizer``, as if it
+    had been built with them; its state is kept, so training goes on from where it is. ``handle.remove()``
+    undoes it. Raises where the optimizer's class takes no such option, or (for ``fused=True``) where its
+    parameters cannot take the fused step."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer_options takes a torch.optim.Optimizer, not {type(optimizer).__name__}: pass the "
+            "optimizer your loop steps"
+        )
+    if not options:
+        raise ValueError("optimizer_options needs the options to set, e.g. fused=True, foreach=False")
+    kind = type(optimizer)
+    unknown = sorted(set(options) - set(inspect.signature(kind.__init__).parameters))
+    if unknown:
+        raise ValueError(f"{kind.__name__} takes no option {', '.join(map(repr, unknown))}")
+    if options.get("fused"):
+        why = fusable(optimizer)
+        if why is not None:
+            raise ValueError(f"fused=True does not apply: {why}")
+        if options.get("foreach"):
+            raise ValueError("fused=True and foreach=True exclude each other: pass foreach=False")
+    handle = OptimizerOptionsHandle(
+        optimizer,
+        dict(options),
+        [{key: group.get(key) for key in options} for group in optimizer.param_groups],
+    )
+    if options.get("fused"):
+        # a step counter made by a for-loop step lives on the CPU; the fused step groups it with its
+        # parameter, so it moves to the parameter's device (the counter's value is unchanged)
+        for p, state in optimizer.state.items():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                handle._moved.append((state, step))
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+    for group in optimizer.param_groups:
+        group.update(options)
+    return handle
+
+
+__all__ = [
+    "FUSED_ADAM",
+    "OptimizerInBackwardHandle",
+    "OptimizerOptionsHandle",
+    "fusable",
+    "optimizer_in_backward",
+    "optimizer_options",
+]

@@ -29,15 +29,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from memtrim.analysis.whatif import Edits
 from memtrim.doctor import diagnoses
 from memtrim.doctor.diagnosis import Keeps
-from memtrim.fixes.optimizer import optimizer_in_backward
+from memtrim.fixes.optimizer import fusable, optimizer_in_backward, optimizer_options
 from memtrim.plan.levers import LEVERS, Lever, Option, Undo, Uses
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
     from memtrim.doctor.diagnosis import Diagnosis
-
-_FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
-"""The optimizers whose fused step the ``optimizer-step`` finding names (their update is ``lerp_``)."""
 
 
 def _found(analysis: Analysis, rule: str, marker: str) -> list[Diagnosis]:
@@ -118,61 +115,16 @@ def _fused_options(analysis: Analysis) -> list[Option]:
 
 
 def _fused_code(uses: Uses) -> str:
-    return "optimizer = torch.optim.AdamW(params, ..., fused=True)  # or Adam's: where the optimizer is built"
-
-
-def _fusable(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether torch's fused Adam/AdamW takes every parameter (device, dtype) and every group."""
-    if not isinstance(optimizer, _FUSED_ADAM):
-        return False
-    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-    for group in optimizer.param_groups:
-        if group.get("differentiable") or group.get("capturable"):
-            return False
-        for p in group["params"]:
-            if p.device.type not in supported or not torch.is_floating_point(p):
-                return False
-    return True
-
-
-def _set_groups(optimizer: torch.optim.Optimizer, values: dict[str, Any]) -> Undo:
-    before = [{key: group.get(key) for key in values} for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group.update(values)
-
-    def undo() -> None:
-        for group, old in zip(optimizer.param_groups, before, strict=False):
-            group.update(old)
-
-    return undo
+    return "memtrim.fixes.optimizer_options(optimizer, fused=True, foreach=False)  # on the live optimizer"
 
 
 def _fused_options_of(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    return {"fused": True, "foreach": False} if _fusable(optimizer) else None
+    return {"fused": True, "foreach": False} if fusable(optimizer) is None else None
 
 
 def _fused_apply(optimizer: torch.optim.Optimizer, uses: Uses) -> Undo | None:
     values = _fused_options_of(optimizer)
-    if values is None:
-        return None
-    # a step counter made by a for-loop step lives on the CPU; the fused step groups it with its
-    # parameter, so it moves to the parameter's device (the counter's value is unchanged)
-    moved: list[tuple[dict[str, Any], torch.Tensor]] = []
-    for p, state in optimizer.state.items():
-        step = state.get("step") if isinstance(state, dict) else None
-        if isinstance(step, torch.Tensor) and step.device != p.device:
-            moved.append((state, step))
-            state["step"] = step.to(device=p.device, dtype=torch.float32)
-    restore_groups = _set_groups(optimizer, values)
-
-    def undo() -> None:
-        restore_groups()
-        for state, step in moved:
-            with torch.no_grad():
-                step.copy_(state["step"])
-            state["step"] = step
-
-    return undo
+    return None if values is None else optimizer_options(optimizer, **values).remove
 
 
 LEVERS.add(
@@ -201,7 +153,7 @@ def _foreach_off_options_of(optimizer: torch.optim.Optimizer) -> dict[str, Any] 
 
 def _foreach_off_apply(optimizer: torch.optim.Optimizer, uses: Uses) -> Undo | None:
     values = _foreach_off_options_of(optimizer)
-    return None if values is None else _set_groups(optimizer, values)
+    return None if values is None else optimizer_options(optimizer, **values).remove
 
 
 LEVERS.add(

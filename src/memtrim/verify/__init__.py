@@ -17,6 +17,8 @@ The package, one module per job (data flows down the list):
 * :mod:`.api` — :func:`verify`, the function users call: validates arguments, builds the matrix, runs it.
 * :mod:`.fix` — :func:`verify_fix`: a change to a live model (checkpointing, a patched loss) as two
   functions of its parameters and batch, compared by :func:`verify` (loss, gradients, updated buffers).
+* :mod:`.optimizer` — :func:`verify_optimizer`: an optimizer's step with other options (``fused=True``,
+  ``foreach=False``) against its step as built, group by group.
 * :mod:`.config` — :class:`Settings`, the frozen configuration of one call.
 * :mod:`.cases` — the matrix: :class:`Case` (dtype x layout x seed x variant), the layouts, the inputs.
 * :mod:`.judge` — judges one case: runs both callables, checks structure and side effects, compares.
@@ -38,6 +40,7 @@ from memtrim.verify.cases import LAYOUTS, CancellationProbe, Case
 from memtrim.verify.config import Settings
 from memtrim.verify.fix import model_loss, verify_fix
 from memtrim.verify.magnitudes import ABS_RULES, NotMultilinear, register_abs_rule
+from memtrim.verify.optimizer import OptimizerReport, verify_optimizer
 from memtrim.verify.results import (
     CallError,
     CaseResult,
@@ -60,6 +63,7 @@ __all__ = [
     "CaseResult",
     "Failure",
     "NotMultilinear",
+    "OptimizerReport",
     "ProbeResult",
     "Quantity",
     "Rounding",
@@ -71,4 +75,5 @@ __all__ = [
     "register_rounding",
     "verify",
     "verify_fix",
+    "verify_optimizer",
 ]

@@ -127,6 +127,7 @@ def cache_in_training(analysis: Analysis) -> list[Diagnosis]:
     if not blamed:
         return []
     first = blamed[0]
+    hf = first.site is not None and _in_transformers(first.site.file)
     diagnosis = finding(
         analysis,
         rule="cache-in-training",
@@ -140,13 +141,25 @@ def cache_in_training(analysis: Analysis) -> list[Diagnosis]:
         edits=edits,
         safe_because=(
             f"each is a copy of one tensor onto an empty cache at {where(first.site)} (no past keys): "
-            "attention computes the same values without it",
+            "attention computes the same values without it" + (" to rounding" if hf else ""),
             "made under grad mode and held past its last read, into backward",
         ),
-        keeps="exact",
+        # transformers builds its attention mask differently once a cache exists, and the attention
+        # kernel it picks then rounds differently (GPT-2's tied wte gradient differs in the last bit)
+        keeps="reference" if hf else "exact",
         module=first.module,
         sites=tuple(dict.fromkeys(a.site for a in blamed if a.site is not None)),
         note="the cache is known by its line's name (file or function naming a cache): the recorder does "
         "not record which object holds a tensor",
+        # a transformers model reads use_cache from its config when the call does not pass it
+        code=_CONFIG_OFF if hf else None,
+        binds=(("model", "the transformers model the step calls"),) if hf else (),
     )
     return [diagnosis] if diagnosis is not None else []
+
+
+_CONFIG_OFF = "model.config.use_cache = False  # or model(..., use_cache=False) in the training step"
+
+
+def _in_transformers(file: str) -> bool:
+    return "/transformers/" in file.replace("\\", "/")

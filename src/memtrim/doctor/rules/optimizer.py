@@ -22,6 +22,44 @@ _ADAM_STEP = frozenset({"lerp_", "_foreach_lerp_"})
 """Ops only Adam and AdamW's update runs among torch.optim's (``exp_avg.lerp_(grad, 1 - beta1)``)."""
 _ZERO = frozenset({"zero_", "_foreach_zero_"})
 
+_OPTIMIZER = (("optimizer", "the torch.optim optimizer the loop steps"),)
+
+
+def _options_code(options: str) -> str:
+    return (
+        "import memtrim.fixes\n"
+        f"handle = memtrim.fixes.optimizer_options(optimizer, {options})  # handle.remove() undoes"
+    )
+
+
+def _options_proof(options: str) -> str:
+    """Runnable proof that the step with ``options`` is no less accurate than the step as built."""
+    return (
+        "# with optimizer: yours, before apply\nfrom memtrim.verify import verify_optimizer\n"
+        f"verify_optimizer(optimizer, {options}).assert_ok()"
+    )
+
+
+_SAME_LOOP = """import copy, torch
+a, a_optimizer = copy.deepcopy((model, optimizer))
+b, b_optimizer = copy.deepcopy((model, optimizer))
+for _ in range(3):
+{before}    loss_fn(b, batch).backward()
+    b_optimizer.step()
+    b_optimizer.zero_grad(set_to_none=True)
+assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))"""
+_LOOP_NAMES = "# with model, optimizer, batch, loss_fn: yours; loss_fn(model, batch): the loss"
+ZEROED_PROOF = f"{_LOOP_NAMES}\n" + _SAME_LOOP.format(
+    before="    loss_fn(a, batch).backward()\n    a_optimizer.step()\n"
+    "    a_optimizer.zero_grad(set_to_none=False)\n"
+)
+"""Runnable proof that gradients set to None train as zeroed ones do, bit for bit, over three steps."""
+LATE_PROOF = f"{_LOOP_NAMES}\n" + _SAME_LOOP.format(
+    before="    loss = loss_fn(a, batch)\n    a_optimizer.zero_grad()\n"
+    "    loss.backward()\n    a_optimizer.step()\n"
+)
+"""Runnable proof that zeroing right after the step trains as zeroing after the next forward does."""
+
 
 def _step_temporaries(analysis: Analysis) -> dict[Site | None, list[Allocation]]:
     found: dict[Site | None, list[Allocation]] = {}
@@ -77,6 +115,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
                 "construct the optimizer with fused=True (torch.optim.Adam(params, ..., fused=True), "
                 "or AdamW's): the fused step makes no temporaries"
             )
+            options = "fused=True, foreach=False"
             if foreach:
                 fix += "; or foreach=False, one parameter's temporaries at a time"
             edits = Edits.removing(t.id for t in temps)
@@ -97,6 +136,7 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
                     )
                 )
             fix = "construct the optimizer with foreach=False: one parameter's temporaries at a time"
+            options = "foreach=False"
             edits = Edits(remove=frozenset(t.id for t in temps), add=tuple(added))
             note = "the what-if keeps, per foreach op, one buffer the size of the largest parameter's"
         else:
@@ -114,12 +154,15 @@ def _optimizer_temporaries(analysis: Analysis) -> list[Diagnosis]:
                 "Adam/AdamW's update (lerp_) has a fused implementation on CPU and CUDA"
                 if adam
                 else "the single-tensor step computes the same update one parameter at a time",
-                "the fused/single-tensor step rounds differently from foreach: prove it with "
-                "memtrim.verify.verify(..., mode='reference')",
+                "the fused/single-tensor step rounds differently from foreach: "
+                "memtrim.verify.verify_optimizer proves it no less accurate",
             ),
             keeps="reference",
             module=None,
             note=note,
+            code=_options_code(options),
+            binds=_OPTIMIZER,
+            proof=_options_proof(options),
         )
         if diagnosis is not None:
             results.append(diagnosis)
@@ -186,7 +229,10 @@ def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
         return []
     if zeroed_sites:
         site = zeroed_sites[0]
-        fix = "optimizer.zero_grad(set_to_none=True) (the default) instead of set_to_none=False"
+        fix = (
+            "optimizer.zero_grad(set_to_none=True) (the default) instead of set_to_none=False, optimizer "
+            "the torch.optim optimizer the loop steps"
+        )
         problem = (
             f"{len(blamed)} gradients ({format_bytes(sum(g.bytes for g in blamed))}) are zeroed in place "
             "and kept through the next forward"
@@ -209,11 +255,11 @@ def _grads_into_next_forward(analysis: Analysis) -> list[Diagnosis]:
         safe_because=(
             "the step read each gradient, and nothing reads it again before the next backward writes it",
             "a gradient set to None is replaced by the next backward's, which the zeroed one was added "
-            "to: the same values (0 + g == g), bit for bit; prove it with "
-            "memtrim.verify.verify(..., mode='exact')",
+            "to: the same values (0 + g == g), bit for bit",
         ),
         keeps="exact",
         sites=tuple(zeroed_sites or late_sites),
+        proof=ZEROED_PROOF if zeroed_sites else LATE_PROOF,
     )
     return [diagnosis] if diagnosis is not None else []
 
