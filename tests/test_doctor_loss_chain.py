@@ -195,6 +195,100 @@ def test_the_scalars_survive_save_and_load(tmp_path: Path) -> None:
         memtrim.trace.loads(text)
 
 
+# -- plain code that shifts the logits before the loss (logits[:, :-1] against labels[:, 1:]) --------
+Cut = Callable[[torch.Tensor], torch.Tensor]
+SLICES: dict[str, tuple[Cut, Cut, str]] = {
+    # name: (the logits the program's loss reads, its labels of the ids, the index the fix prints)
+    "shift": (lambda z: z[:, :-1, :].contiguous(), lambda y: y[:, 1:], "[:, :-1]"),
+    "shift, reshaped": (lambda z: z[..., :-1, :].reshape(-1, z.shape[-1]), lambda y: y[:, 1:], "[:, :-1]"),
+    "from the second": (lambda z: z[:, 1:].float(), lambda y: y[:, :-1], "[:, 1:]"),
+    "narrow": (lambda z: z.narrow(1, 0, SEQ - 2).contiguous(), lambda y: y[:, 2:], f"[:, :{SEQ - 2}]"),
+    "every other": (lambda z: z[:, ::2].contiguous(), lambda y: y[:, ::2], "[:, ::2]"),
+    "softcapped, then shifted": (
+        lambda z: (torch.tanh(z / 30.0) * 30.0)[:, :-1].contiguous(),
+        lambda y: y[:, 1:],
+        "[:, :-1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SLICES))
+def test_a_copy_of_a_slice_of_the_logits_slices_the_hidden_states_in_the_fix(name: str) -> None:
+    """A label shift written in the training code: the loss reads a copy of ``logits[:, :-1]``. The fix
+    takes the same rows of the hidden states (the index printed from the slice's recorded numbers);
+    evaluated as printed it keeps the loss and gradients and lands where predicted, counting the full
+    logits and the full-size gradient backward's slice makes for them."""
+    sliced, shifted, index = SLICES[name]
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, _ = _batch()
+    target = shifted(ids)
+
+    def original() -> None:
+        logits = sliced(model(ids))
+        F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)).backward()
+
+    before = measure(original)
+    (finding,) = findings(before.trace, "logits-cross-entropy")
+    call = _printed_call(finding.fix)
+    expected = f"memtrim.fixes.chunked_linear_cross_entropy(hidden{index}, model.head.weight"
+    assert call.startswith(expected), call
+    assert f"target the {list(target.shape)} labels the loss reads".replace("'", "") in finding.fix
+    assert f"hidden the [{BATCH}, {SEQ}, {WIDTH}] input of" in finding.fix
+    # every logits-sized buffer, the full ones before the slice and the sliced ones, is gone in the fix
+    sizes = {TOKENS * VOCAB * 4, target.numel() * VOCAB * 4}
+    made = [a for a in before.trace.allocations if a.bytes in sizes and not a.preexisting]
+    assert {a.id for a in made} <= {a.id for a in finding.allocations}
+
+    def fixed() -> None:
+        scope = {"memtrim": memtrim, "model": model, "hidden": model.hidden(ids), "target": target}
+        eval(call, scope).backward()
+
+    model.zero_grad(set_to_none=True)
+    after = measure(fixed)
+    assert_fix_measures(finding, before, after)
+    assert findings(after.trace, "logits-cross-entropy") == []
+
+    gen = torch.Generator().manual_seed(1)
+    small = torch.randint(0, 512, (2, 8), generator=gen)
+    labels = shifted(small)
+    chain = SLICES[name][0]
+
+    def reference(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(chain(h @ w.T).reshape(-1, 512), labels.reshape(-1))
+
+    def candidate(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        holder = argparse.Namespace(head=argparse.Namespace(weight=w))
+        return eval(call, {"memtrim": memtrim, "model": holder, "hidden": h, "target": labels})
+
+    if name != "narrow":  # narrow(1, 0, SEQ - 2) is of the big batch's length; its index is too
+        h = torch.randn(2, 8, WIDTH, requires_grad=True)
+        w = torch.randn(512, WIDTH, requires_grad=True)
+        fp32 = [torch.float32]
+        verify(reference, candidate, (h, w), mode="reference", dtypes=fp32, progress=False).assert_ok()
+
+
+UNSLICEABLE: dict[str, Cut] = {
+    "the vocabulary cut": lambda z: z[..., :-1].contiguous(),
+    "two slices joined": lambda z: torch.cat([z[:, :8], z[:, 16:]], dim=1),
+    "a row picked": lambda z: z[:, -1].contiguous(),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSLICEABLE))
+def test_a_cut_of_the_logits_the_hidden_states_cannot_take_gets_no_finding(name: str) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, _ = _batch()
+
+    def original() -> None:
+        logits = UNSLICEABLE[name](model(ids))
+        rows = logits.reshape(-1, logits.shape[-1])
+        F.cross_entropy(rows, ids.flatten()[: rows.shape[0]] % rows.shape[-1]).backward()
+
+    assert findings(measure(original).trace, "logits-cross-entropy") == []
+
+
 # -- a transformers model: Gemma 2's softcapped head, on a 3-step loop ---------------------------------
 def test_gemma2_three_steps_the_reported_entry_names_the_softcapped_logits() -> None:
     """As ``memtrim run --region step`` records and picks: the entry with the highest absolute peak; its

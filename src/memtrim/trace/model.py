@@ -27,8 +27,9 @@ SCALAR_OPS = frozenset(
     f"aten.{name}.{overload}"
     for name in ("mul", "div", "add", "sub", "rsub")
     for overload in ("Tensor", "Scalar")
-)
-"""The ops whose Python-number operands the recorder keeps (:attr:`TraceLog.scalars`)."""
+) | {"aten.slice.Tensor"}
+"""The ops whose Python-number operands the recorder keeps (:attr:`TraceLog.scalars`): arithmetic with
+a number, and ``slice`` (its dim, start, end and step: a copy of ``logits[:, :-1]`` before a loss)."""
 """What :func:`~memtrim.trace.save` writes. /2 adds allocation facts and regions to /1, which loads too."""
 
 

@@ -61,21 +61,80 @@ class LogitChain:
         return tuple(s for s in self.steps if not s.endswith("copy"))
 
 
+@dataclass(frozen=True)
+class Slice:
+    """``logits[:, :-1]`` copied before the loss (a plain-code label shift): one ``aten.slice`` of a
+    dimension other than the vocabulary's, its numbers as the recorder kept them."""
+
+    dim: int
+    start: int
+    end: int
+    step: int
+    full: tuple[int, ...]
+    """The shape of the view that was sliced (the logits, ``[..., vocab]``)."""
+    shape: tuple[int, ...]
+    """The copy's shape: ``full`` with ``dim`` cut."""
+
+    @property
+    def index(self) -> str:
+        """``[:, :-1]``: the same slice as Python indexing, for any tensor with the same leading dims."""
+        start = "" if self.start == 0 else str(self.start)
+        end = "" if self.end >= self.full[self.dim] else str(self.end)
+        step = "" if self.step == 1 else f":{self.step}"
+        return "[" + ", ".join([":"] * self.dim + [f"{start}:{end}{step}"]) + "]"
+
+
+def _sliced(
+    flow: Flow, allocations: Sequence[Allocation], scalars: Scalars, seq: int, made: Allocation
+) -> tuple[Allocation, Slice] | None:
+    """The buffer a copy op ``seq`` read through one ``slice`` of a non-last dimension, and the slice;
+    None unless the recorded numbers reproduce the copy's shape exactly (the view the copy read is not
+    in the trace: only a slice whose arithmetic lands on that shape is taken for it)."""
+    sources = [allocations[i] for i in flow.ops[seq].inputs]
+    if len(sources) != 1 or numel(sources[0]) <= numel(made) or len(made.shape) < 2:
+        return None
+    source = sources[0]
+    slices = [r for r in flow.readers[source.id] if r < seq and flow.names[r] == "slice"]
+    if len(slices) != 1 or not only_feeds(flow, source, {seq, *slices}):
+        return None
+    numbers = dict(scalars.get(slices[0], ()))
+    dim = int(numbers.get("dim", 0))
+    start, end, step = numbers.get("start", 0.0), numbers.get("end"), numbers.get("step", 1.0)
+    if end is None or not 0 <= dim < len(made.shape) - 1 or step < 1 or made.shape[dim] == 0:
+        return None
+    rest = numel(made) // made.shape[dim]
+    if numel(source) % rest:
+        return None
+    full = (*made.shape[:dim], numel(source) // rest, *made.shape[dim + 1 :])
+    taken = range(full[dim])[slice(int(start), int(min(end, full[dim])), int(step))]
+    if len(taken) != made.shape[dim]:
+        return None
+    # as the program spelled it where that is as short (``:-1``), else the bounds it resolved to
+    stop = int(end) if -full[dim] <= end < 0 else taken.stop
+    return source, Slice(dim, taken.start, stop, int(step), full, made.shape)
+
+
 def walk_back(
-    flow: Flow, allocations: Sequence[Allocation], x: Allocation
-) -> tuple[list[Allocation], list[int]]:
+    flow: Flow, allocations: Sequence[Allocation], x: Allocation, scalars: Scalars | None = None
+) -> tuple[list[Allocation], list[int], Slice | None]:
     """``x``, then what it was made from through copies and :data:`STEPS` of the same element count,
-    back to the first buffer that none of them made; and those ops' numbers (latest first)."""
+    back to the first buffer that none of them made; those ops' numbers (latest first); and, with the
+    trace's ``scalars``, one copy of a slice of the logits on the way (:class:`Slice`)."""
     chain: list[Allocation] = [x]
     seqs: list[int] = []
+    cut: Slice | None = None
     while True:
         seq = flow.producer[chain[-1].id]
         if seq < 0 or flow.names[seq] not in COPIES | STEPS:
-            return chain, seqs
+            return chain, seqs, cut
         size = numel(chain[-1])
         sources = [allocations[i] for i in flow.ops[seq].inputs if numel(allocations[i]) == size]
+        if not sources and cut is None and scalars is not None and flow.names[seq] in COPIES:
+            found = _sliced(flow, allocations, scalars, seq, chain[-1])
+            if found is not None:
+                sources, cut = [found[0]], found[1]
         if len(sources) != 1 or sources[0].preexisting or not is_float(sources[0]):
-            return chain, seqs
+            return chain, seqs, cut
         chain.append(sources[0])
         seqs.append(seq)
 

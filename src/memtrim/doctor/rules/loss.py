@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +23,14 @@ from memtrim.doctor.rules.common import (
     numel,
     where,
 )
-from memtrim.doctor.rules.logit_chain import LogitChain, fold, hidden_scales, only_feeds, walk_back
+from memtrim.doctor.rules.logit_chain import (
+    LogitChain,
+    Slice,
+    fold,
+    hidden_scales,
+    only_feeds,
+    walk_back,
+)
 from memtrim.trace.model import Allocation, OpRow, Phase, Site
 
 if TYPE_CHECKING:
@@ -71,9 +79,12 @@ def chunk_size(tokens: int, vocab: int, hidden: int, dtype: str) -> int:
     return int(min(max(CHUNK_MULTIPLE, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE), tokens))
 
 
-def _grads_in_backward(flow: Flow, allocations: list[Allocation], saved: Allocation, size: int) -> list[int]:
-    """Backward buffers of ``size`` elements computed from ``saved`` (the saved log-softmax), then from
-    those: the gradients of the logits, until an op makes something of another size (the matmul's)."""
+def _grads_in_backward(
+    flow: Flow, allocations: list[Allocation], saved: Allocation, sizes: set[int]
+) -> list[int]:
+    """Backward buffers of one of ``sizes`` elements computed from ``saved`` (the saved log-softmax),
+    then from those: the gradients of the logits (and of the logits a slice was copied from), until an op
+    makes something of another size (the matmul's)."""
     found: list[int] = []
     frontier = deque([saved.id])
     seen = {saved.id}
@@ -83,7 +94,7 @@ def _grads_in_backward(flow: Flow, allocations: list[Allocation], saved: Allocat
             if flow.ops[seq].phase is not Phase.BACKWARD:
                 continue
             for out in flow.outputs[seq]:
-                if out not in seen and numel(allocations[out]) == size:
+                if out not in seen and numel(allocations[out]) in sizes:
                     seen.add(out)
                     found.append(out)
                     frontier.append(out)
@@ -108,6 +119,8 @@ class _Loss:
     steps: LogitChain
     scaled: list[Allocation]
     """The scaled copies of ``hidden`` the matmul read (none without a hidden scale)."""
+    cut: Slice | None = None
+    """The loss read a copy of a slice of the logits (``logits[:, :-1]``): the fix slices ``hidden``."""
 
     @property
     def logits(self) -> Allocation:
@@ -126,7 +139,7 @@ class _Loss:
         return numel(self.weight) // self.vocab
 
 
-_Key = tuple[Site | None, Site | None, float, float | None]
+_Key = tuple[Site | None, Site | None, float, float | None, str | None]
 
 
 def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
@@ -145,7 +158,7 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
             continue
         log_probs = allocations[made[0]]
         nll = [r for r in flow.readers[log_probs.id] if flow.names[r] in _NLL]
-        chain, step_ops = walk_back(flow, allocations, allocations[row.inputs[0]])
+        chain, step_ops, cut = walk_back(flow, allocations, allocations[row.inputs[0]], scalars)
         matmul_seq = flow.producer[chain[-1].id]
         matmul = flow.made_by(chain[-1])
         if not nll or matmul is None or base_name(matmul.op) not in _MATMULS:
@@ -167,14 +180,16 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
                 steps = fold(flow, allocations, scalars, chain, step_ops, has_bias, pre, hidden_steps)
         if steps is None:
             continue  # an op between the matmul and the loss that the chunked loss does not reproduce
-        backward = [
-            allocations[i] for i in _grads_in_backward(flow, allocations, log_probs, numel(log_probs))
-        ]
+        one_row_each = numel(source) == numel(chain[-1]) // vocab * source.shape[-1]
+        if cut is not None and (_in_transformers_loss(log_probs.site) or not one_row_each):
+            continue  # a model's own loss sliced, or hidden states that are not one row per logits row
+        sizes = {numel(log_probs), numel(chain[-1])}
+        backward = [allocations[i] for i in _grads_in_backward(flow, allocations, log_probs, sizes)]
         own = set(step_ops) | {seq} | {flow.producer[g.id] for g in backward}
         if not all(only_feeds(flow, c, own) for c in chain):
             continue  # the logits are used for something besides the loss: they must exist
-        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled)
-        key = (log_probs.site, chain[-1].site, steps.logit_scale, steps.softcap)
+        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled, cut)
+        key = (log_probs.site, chain[-1].site, steps.logit_scale, steps.softcap, cut.index if cut else None)
         found.setdefault(key, []).append(loss)
     return found
 
@@ -201,6 +216,9 @@ def _chunked_edits(losses: list[_Loss], chunk: int) -> tuple[list[Allocation], E
         end = max(ends) if len(ends) == len(loss.backward) else None
         added.append(Added(tile, begin, end))
         added.append(Added(loss.tokens * 4, start, end))
+        if loss.cut is not None and (loss.cut.step > 1 or math.prod(loss.cut.full[: loss.cut.dim]) > 1):
+            # hidden[:, :-1] is not contiguous: the fix flattens it into a copy it keeps for backward
+            added.append(Added(loss.tokens * loss.width * ITEMSIZE.get(loss.hidden.dtype, 4), start, end))
         rows, columns = _tiling(loss.tokens, loss.vocab, chunk)
         if loss.logits.dtype in HALF:
             # the hidden states' gradient (and the bias's) summed over the tiles in fp32
@@ -245,14 +263,30 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
             named += f", model {called_object(analysis, first.logits.module)}"
         upcast = " and its upcast" if any(s.endswith(" copy") for s in chain.steps) else ""
         between = _chain_text(chain)
-        buffers = len(first.chain) + 1 + len(first.backward)
+        counts: dict[int, int] = {}  # buffers of each row count (a slice's rows and the logits')
+        for a in (*first.chain, first.log_probs, *first.backward):
+            counts[numel(a) // vocab] = counts.get(numel(a) // vocab, 0) + 1
+        total = sum(counts.values())
+        if len(counts) == 1:
+            buffers = f"{total} buffers of {next(iter(counts))}x{vocab}"
+        else:
+            sizes = " and ".join(f"{n} of {rows}x{vocab}" for rows, n in sorted(counts.items()))
+            buffers = f"{total} buffers ({sizes})"
         hidden = f"the [{tokens}, {width}] input of {where(first.logits.site)}"
         if first.scaled:
             scales = ", ".join(chain.hidden_steps)
             hidden = f"the [{tokens}, {width}] input of the {scales} at {where(first.scaled[-1].site)}"
+        given, labels = "hidden", f"the [{tokens}] labels"
+        if first.cut is not None:
+            # the logits were sliced before the loss (logits[:, :-1]): the same rows of the hidden states
+            cut = first.cut
+            given = f"hidden{cut.index}"
+            hidden = hidden.replace(f"[{tokens}, {width}]", dims((*cut.full[:-1], width)), 1)
+            hidden += f" (the fix slices it as {where(first.chain[-2].site)} slices the logits)"
+            labels = f"the {dims(cut.shape[:-1])} labels the loss reads"
         fix = (
-            f"loss = memtrim.fixes.chunked_linear_cross_entropy(hidden, {weight}, target{bias}"
-            f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, target the [{tokens}] labels{named}"
+            f"loss = memtrim.fixes.chunked_linear_cross_entropy({given}, {weight}, target{bias}"
+            f"{chain.arguments}, chunk_size={chunk}), hidden {hidden}, target {labels}{named}"
         )
         code: str | None = None
         binds: tuple[tuple[str, str], ...] = ()
@@ -300,7 +334,7 @@ def logits_cross_entropy(analysis: Analysis) -> list[Diagnosis]:
             code=code,
             binds=binds,
             site=first.log_probs.site,
-            problem=f"{problem}: {buffers} buffers of {tokens}x{vocab} live for the loss",
+            problem=f"{problem}: {buffers} live for the loss",
             fix=fix,
             allocations=tuple(removed),
             edits=edits,
@@ -389,7 +423,13 @@ def _patchable_head(loss: _Loss) -> bool:
     """Plain code, a head module, nothing between its logits and the loss but views, copies and the
     upcast: what the deferred logits of ``chunked_head_loss`` take over."""
     chain = loss.steps
-    plain = not chain.arithmetic and not chain.hidden_steps and chain.bias is None and not loss.scaled
+    plain = (
+        not chain.arithmetic
+        and not chain.hidden_steps
+        and chain.bias is None
+        and not loss.scaled
+        and loss.cut is None  # the deferred logits take no slice
+    )
     return (
         plain
         and "." in (loss.logits.module or "")
