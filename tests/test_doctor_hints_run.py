@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from doctor_support import findings, measure
 from programs import ScaledDifference
-from test_diagnoses import InPlace
 from test_doctor_attention import CAUSAL, _tiny, attend
 from test_doctor_models import TOKENS as GPT2_TOKENS
 from test_doctor_models import doctor_gpt2
@@ -47,6 +46,7 @@ WRITE_CODE = {
     "optimizer-state": r"(torch\.optim\.Adafactor\(.*?\)\)) in place of ",
     "checkpoint-candidates": r"(memtrim\.fixes\.checkpoint_modules\(model, \[.*?\]\))",
     "optimizer-step": r"(optimizer\.zero_grad\(set_to_none=True\)) \(the default\)",
+    "out-of-place-chain": r"((?:t\.\w+_\([^()]*\)(?:; )?)+), t the ",
 }
 """Where the code of a rule's write text ends and its explanation (what each name is) begins."""
 LOOKS_LIKE_CODE = re.compile(r"^(\w+ = )?[\w.]+\(")
@@ -223,8 +223,21 @@ def _chain() -> dict[str, Any]:
 
 
 def _chain_proof(d: Diagnosis, write: str | None) -> dict[str, Any]:
+    assert write is not None
+    assert "u the [256, 1024] float32 tensor line 20 multiplies it by (b = s * a)" in d.fix
+
+    class Printed(ScaledDifference):
+        """ScaledDifference's backward with the printed steps in place of lines 20 and 21."""
+
+        @staticmethod
+        def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            s, saved_d = ctx.saved_tensors  # type: ignore[attr-defined]
+            t = g - saved_d  # the sub's line as it is
+            exec(write, {"t": t, "u": s})  # u: what line 20 multiplies it by, as the text says
+            return t, None
+
     small = (torch.randn(8, 16, requires_grad=True), torch.randn(8, 16))
-    return {"original": ScaledDifference.apply, "rewrite": InPlace.apply, "inputs": small}
+    return {"original": ScaledDifference.apply, "rewrite": Printed.apply, "inputs": small}
 
 
 def _optimizer() -> dict[str, Any]:
@@ -379,7 +392,9 @@ PLANTED = (
 
 
 NOT_PLANTED_HERE = {
-    # need a process group: their write text is run in the distributed tests' own programs
+    # need a process group: the fsdp and ddp write code runs as printed on two gloo ranks
+    # (tests/distributed_programs.py printed_call, asserted in tests/test_distributed_ranks.py); the
+    # all-gather's checkpoint(fn, ...) wraps code the user writes (fn), applied there by hand
     "fsdp-reshard-after-forward": "tests/test_doctor_fsdp.py",
     "ddp-gradient-as-bucket-view": "tests/test_doctor_ddp.py",
     "all-gather-saved-for-backward": "tests/test_doctor_gather.py",

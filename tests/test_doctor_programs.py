@@ -246,7 +246,8 @@ def test_out_of_place_chain_in_a_custom_backward_is_bit_exact_in_place() -> None
     before = measure(lambda: ScaledDifference.apply(x, d).sum().backward())
     (finding,) = findings(before.trace, "out-of-place-chain")
     assert finding.site is not None and finding.site.function == "backward"
-    assert "t.mul_(...), line" in finding.fix and finding.verify_mode == "exact"
+    assert finding.fix.startswith("t.mul_(u); t.mul_(3.0), t the result of the sub at programs.py:19")
+    assert finding.verify_mode == "exact"
     assert finding.note is None  # one scalar step only
     original_grad, x.grad = x.grad, None
     after = measure(lambda: InPlace.apply(x, d).sum().backward())
@@ -267,17 +268,52 @@ def test_out_of_place_chain_in_ordinary_no_grad_code() -> None:
     before = measure(original)
     (finding,) = findings(before.trace, "out-of-place-chain")
     assert finding.site is not None and finding.site.line == line_of("planted: chain head")
-    assert finding.fix.endswith(f"t.add_(...), line {line_of('planted: chain head') + 1} t.exp_(...)")
+    code, explained = finding.fix.split(", t the ", 1)
+    assert code == "t.add_(1.0); t.exp_()", finding.fix
+    head = line_of("planted: chain head")
+    assert explained.startswith(f"result of the mul at test_doctor_programs.py:{head}"), explained
 
     def fixed() -> None:
         with torch.no_grad():
-            y = x * 2
-            y.add_(1).exp_()
-            del y
+            t = x * 2
+            exec(code, {"t": t})  # as printed
+            del t
 
     after = measure(fixed)
     assert_fix_measures(finding, before, after)
     assert findings(after.trace, "out-of-place-chain") == []
+
+
+def test_out_of_place_chain_names_a_number_the_line_holds_in_a_variable() -> None:
+    """``/ temperature``: the printed call names the number (its value this run said) rather than pasting
+    0.7 where the program reads a variable; executed as printed it is bit for bit the program's."""
+    x = torch.randn(1024, 1024)
+    temperature = 0.7
+    kept: list[torch.Tensor] = []
+
+    def original() -> None:
+        with torch.no_grad():
+            y = x - 1.5  # planted: named chain head
+            kept.append((y / temperature).exp())
+
+    before = measure(original)
+    (finding,) = findings(before.trace, "out-of-place-chain")
+    code, explained = finding.fix.split(", t the ", 1)
+    assert code == "t.div_(c); t.exp_()", finding.fix
+    head = line_of("planted: named chain head")
+    assert f"c the number line {head + 1} divides it by (0.7 in this run) (kept.append(" in explained
+    with torch.no_grad():
+        t = x - 1.5
+        exec(code, {"t": t, "c": temperature})  # as printed, c bound as the text says
+    assert torch.equal(t, kept[0])
+
+    def fixed() -> None:
+        with torch.no_grad():
+            t = x - 1.5
+            exec(code, {"t": t, "c": temperature})
+            kept.append(t)
+
+    assert_fix_measures(finding, before, measure(fixed))
 
 
 def test_a_result_read_later_or_saved_breaks_the_chain() -> None:

@@ -4,6 +4,7 @@ chains of out-of-place results that could be one buffer updated in place (``out-
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -202,6 +203,85 @@ def _scalar_operand(name: str, inputs: tuple[int, ...]) -> bool:
     return name in (_COMMUTATIVE | _ORDERED) and len(inputs) == 1
 
 
+_NO_ARGUMENTS = frozenset(
+    {
+        *("neg", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt"),
+        *("reciprocal", "sigmoid", "tanh", "relu", "abs", "sin", "cos", "erf", "sign"),
+        *("floor", "ceil", "trunc"),
+    }
+)
+"""Unary chain ops whose in-place form takes nothing but the tensor (``t.relu_()``); ``clamp``, ``pow``
+and ``round(decimals=)`` take numbers the trace does not hold."""
+_VERBS = {"add": "adds to it", "sub": "subtracts from it", "mul": "multiplies it by", "div": "divides it by"}
+_OPERANDS = ("u", "v", "w")
+_NUMBER_NAMES = ("c", "k", "m")
+
+
+def _source_line(analysis: Analysis, site: Site | None) -> str | None:
+    """The line's text as the trace recorded it (``b = s * a``), or None."""
+    table = analysis.log.metadata.get("source_lines")
+    lines = table.get(site.file) if site is not None and isinstance(table, dict) else None
+    text = lines.get(str(site.line)) if site is not None and isinstance(lines, dict) else None
+    return text if isinstance(text, str) and text else None
+
+
+_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])")
+
+
+def _spelled(value: float, text: str | None) -> bool:
+    """The line spells ``value`` as a literal (``* 3.0``, ``/ 2``, ``+ 1e-8``): the in-place call may too;
+    a number held in a name (``/ temperature``) is named in the call instead."""
+    return text is not None and any(float(token) == value for token in _LITERAL.findall(text))
+
+
+def in_place_code(
+    analysis: Analysis, chain: Sequence[Allocation], home: Site | None
+) -> tuple[str, tuple[str, ...]] | None:
+    """The in-place steps of ``chain`` (its first result ``t``, then each op as ``t.<op>_(...)``) as code
+    that runs as printed, and what each other name in it is; None where an operand is not in the trace (a
+    number ``clamp`` or ``pow`` takes, an ``alpha``, ``t * t``) or the names run out."""
+    flow, scalars = analysis.flow, analysis.log.scalars
+    calls: list[str] = []
+    named: list[str] = []
+    tensors, numbers_left = list(_OPERANDS), list(_NUMBER_NAMES)
+    quoted: set[Site | None] = set()  # lines whose text is shown already
+    for before, made in itertools.pairwise(chain):
+        seq = flow.producer[made.id]
+        row, name = flow.ops[seq], flow.names[seq]
+        numbers = dict(scalars.get(seq, ()))
+        overload = row.op.rsplit(".", 1)[-1]
+        line = _line_in(row.site, home)
+        text = _source_line(analysis, row.site)
+        shown = f" ({text})" if text and row.site not in quoted else ""
+        quoted.add(row.site)
+        if name in _NO_ARGUMENTS and row.inputs == (before.id,) and not numbers:
+            calls.append(f"t.{name}_()")
+            continue
+        if name not in _VERBS or overload not in ("Tensor", "Scalar") or set(numbers) - {"other"}:
+            return None  # div(rounding_mode=...), an alpha, or a number of another name
+        others = [i for i in row.inputs if i != before.id]
+        if "other" in numbers and not others:  # t * 3.0
+            value: float | int = numbers["other"]
+            if not is_float(before) and float(value).is_integer():
+                value = int(value)  # the recorder keeps floats: an integer tensor takes an int in place
+            if _spelled(float(value), text):
+                calls.append(f"t.{name}_({value!r})")
+                continue
+            if not numbers_left:
+                return None
+            number = numbers_left.pop(0)
+            calls.append(f"t.{name}_({number})")
+            named.append(f"{number} the number {line} {_VERBS[name]} ({value!r} in this run){shown}")
+            continue
+        if len(others) != 1 or "other" in numbers or not tensors:
+            return None  # t * t, or an operand the trace does not hold
+        operand = tensors.pop(0)
+        other = analysis.allocations[others[0]]
+        calls.append(f"t.{name}_({operand})")
+        named.append(f"{operand} the {dims(other.shape)} {other.dtype} tensor {line} {_VERBS[name]}{shown}")
+    return "; ".join(calls), tuple(named)
+
+
 _INPLACE_MODULE_OPS = frozenset(
     {
         "relu",
@@ -317,6 +397,15 @@ def out_of_place_chain(analysis: Analysis) -> list[Diagnosis]:
         where_text = f" in {first.node}.backward" if first.phase is Phase.BACKWARD and first.node else ""
         fix = f"t = the {base_name(first.op)} at {where(first.site)}, then in place, in the same order: "
         fix += rewrite
+        runnable = in_place_code(analysis, [allocations[i] for i in example], first.site)
+        if runnable is not None:
+            # the same steps as code: t stays the first op's result, each later line becomes its call
+            end = allocations[example[-1]]
+            fix = (
+                f"{runnable[0]}, t the result of the {base_name(first.op)} at {where(first.site)} (that line "
+                f"as it is; t is then the result of the {base_name(end.op)} at "
+                f"{_line_in(end.site, first.site)})" + "".join(f", {clause}" for clause in runnable[1])
+            )
         code: str | None = None
         binds: tuple[tuple[str, str], ...] = ()
         in_modules = _inplace_modules(analysis, [flow.producer[i] for chain in chains for i in chain[1:]])
