@@ -151,23 +151,28 @@ def diagnoses(trace: Any) -> list[dict[str, Any]]:
 
 
 def fsdp_model(
-    mesh: Any = None, reshard_after_forward: bool | tuple[bool, ...] | None = None
+    mesh: Any = None, reshard_after_forward: bool | tuple[bool, ...] | None = None, printed: str | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The MLP with each layer and the root fully_shard'ed, and plain SGD: no ``.item()`` (Adam's step
     count), so the same step runs under fake tensors, and no temporaries made inside DTensor's own
     dispatch (SGD's momentum makes some), which torch.profiler cannot tell from a kernel's workspace.
-    ``reshard_after_forward``: every layer's, or one per layer."""
-    from torch.distributed.fsdp import fully_shard
+    ``reshard_after_forward``: every layer's, or one per layer. ``printed``: a finding's
+    ``fully_shard(...)`` call, run as printed first (``model`` the Mlp) in place of the program's own
+    call for the layer it names; the other layers as ``reshard_after_forward`` says."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     torch.manual_seed(0)
     model = Mlp()
+    if printed is not None:
+        exec(printed, {"model": model, "fully_shard": fully_shard})
     per_layer = (
         reshard_after_forward
         if isinstance(reshard_after_forward, tuple)
         else (reshard_after_forward,) * len(model.layers)
     )
     for layer, reshard in zip(model.layers, per_layer, strict=True):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        if not isinstance(layer, FSDPModule):  # the printed call sharded it already
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -188,10 +193,12 @@ def fsdp_step(rank: int) -> dict[str, Any]:
     return result
 
 
-def fsdp_reshard_step(rank: int, reshard_after_forward: bool | tuple[bool, ...]) -> dict[str, Any]:
-    """The FSDP2 step with each layer's ``reshard_after_forward`` given, and what the doctor says of
-    FSDP2's resharding."""
-    model, optimizer = fsdp_model(reshard_after_forward=reshard_after_forward)
+def fsdp_reshard_step(
+    rank: int, reshard_after_forward: bool | tuple[bool, ...], printed: str | None = None
+) -> dict[str, Any]:
+    """The FSDP2 step with each layer's ``reshard_after_forward`` given (``printed``: a finding's call
+    run first, :func:`fsdp_model`), and what the doctor says of FSDP2's resharding."""
+    model, optimizer = fsdp_model(reshard_after_forward=reshard_after_forward, printed=printed)
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
     train_step(model, optimizer, x)
     # the last step's gradients are freed before the region: torch.profiler reports the free of a
@@ -238,7 +245,9 @@ def ddp_step(rank: int) -> dict[str, Any]:
     return result
 
 
-def ddp_bucket_view_step(rank: int, view: bool, hook: bool = False) -> dict[str, Any]:
+def ddp_bucket_view_step(
+    rank: int, view: bool, hook: bool = False, printed: str | None = None
+) -> dict[str, Any]:
     """A DDP step with Adam (forward, backward, step, ``zero_grad()``) on ``Mlp(64)``, the model wrapped
     with ``gradient_as_bucket_view=view``, and what the doctor says of it. With ``False`` each
     gradient autograd makes lives on beside its copy in DDP's bucket; with ``True`` ``.grad`` is the
@@ -248,7 +257,10 @@ def ddp_bucket_view_step(rank: int, view: bool, hook: bool = False) -> dict[str,
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(Mlp(64), gradient_as_bucket_view=view)
+    if printed is None:
+        model = DistributedDataParallel(Mlp(64), gradient_as_bucket_view=view)
+    else:  # a finding's DistributedDataParallel(...) as printed, model the module the program wrapped
+        model = eval(printed, {"model": Mlp(64), "DistributedDataParallel": DistributedDataParallel})
     if hook:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)  # its state exists from the first step on
@@ -403,27 +415,46 @@ def sequence_parallel_step(
     return result
 
 
+def printed_call(result: dict[str, Any], rule: str, pattern: str) -> str:
+    """The code a finding's write text starts with, the same on every rank (each rank runs it: a
+    collective call that differed between ranks would hang them)."""
+    import re
+
+    (fix,) = [d["fix"] for d in result["diagnoses"] if d["rule"] == rule]
+    found = re.match(pattern, fix)
+    assert found, fix
+    calls: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, found.group(1))
+    assert len(set(calls)) == 1, calls
+    return found.group(1)
+
+
 def all_steps(rank: int, world: int, port: int, out: str) -> None:
     init(rank, world, port)
-    result = {
-        "fsdp": fsdp_step(rank),
-        "fsdp_kept": fsdp_reshard_step(rank, False),
-        "fsdp_resharded": fsdp_reshard_step(rank, True),
-        # the fix as the finding names it: layer 0 alone (layer 1's prefetched all-gather is as large
-        # as its parameters, and layer 2's own backward is the peak)
-        "fsdp_named": fsdp_reshard_step(rank, (True, False, False)),
-        "ddp": ddp_step(rank),
-        "ddp_copies": ddp_bucket_view_step(rank, False),
-        "ddp_views": ddp_bucket_view_step(rank, True),
-        "ddp_hook_copies": ddp_bucket_view_step(rank, False, hook=True),
-        "ddp_hook_views": ddp_bucket_view_step(rank, True, hook=True),
-        "ddp_unused_copies": ddp_unused_step(rank, False),
-        "ddp_unused_views": ddp_unused_step(rank, True),
-        "collectives": collectives(rank),
-        "sp_gathered": sequence_parallel_step(rank, checkpointed=False),
-        "sp_checkpointed": sequence_parallel_step(rank, checkpointed=True),
-        "sp_c10d": sequence_parallel_step(rank, checkpointed=False, layer=sp_c10d_layer),
-    }
+    result: dict[str, Any] = {}  # run in this order (an earlier profile sees addresses a later run frees)
+    result["fsdp"] = fsdp_step(rank)
+    result["fsdp_kept"] = fsdp_reshard_step(rank, False)
+    result["fsdp_resharded"] = fsdp_reshard_step(rank, True)
+    # the fix as the finding names it: layer 0 alone (layer 1's prefetched all-gather is as large as its
+    # parameters, and layer 2's own backward is the peak)
+    result["fsdp_named"] = fsdp_reshard_step(rank, (True, False, False))
+    # and as it prints it: its fully_shard(...) run as printed, the other layers as the program shards them
+    call = printed_call(result["fsdp_kept"], "fsdp-reshard-after-forward", r"(fully_shard\(.*?\)) \(")
+    result["fsdp_printed"] = fsdp_reshard_step(rank, False, printed=call)
+    result["ddp"] = ddp_step(rank)
+    result["ddp_copies"] = ddp_bucket_view_step(rank, False)
+    result["ddp_views"] = ddp_bucket_view_step(rank, True)
+    wrap = r"(DistributedDataParallel\(.*?\)): "
+    call = printed_call(result["ddp_copies"], "ddp-gradient-as-bucket-view", wrap)
+    result["ddp_printed"] = ddp_bucket_view_step(rank, False, printed=call)
+    result["ddp_hook_copies"] = ddp_bucket_view_step(rank, False, hook=True)
+    result["ddp_hook_views"] = ddp_bucket_view_step(rank, True, hook=True)
+    result["ddp_unused_copies"] = ddp_unused_step(rank, False)
+    result["ddp_unused_views"] = ddp_unused_step(rank, True)
+    result["collectives"] = collectives(rank)
+    result["sp_gathered"] = sequence_parallel_step(rank, checkpointed=False)
+    result["sp_checkpointed"] = sequence_parallel_step(rank, checkpointed=True)
+    result["sp_c10d"] = sequence_parallel_step(rank, checkpointed=False, layer=sp_c10d_layer)
     for step in result.values():
         step.pop("trace", None)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))

@@ -186,7 +186,8 @@ def test_reshard_after_forward_false_is_diagnosed_and_the_fix_measured(
     assert finding["module"] == "FSDPMlp.layers.0"
     # layer 0 alone: layer 1's all-gather, prefetched in layer 2's backward (the peak), is as large as
     # its parameters, and layer 2's own backward needs its parameters: resharding either saves nothing
-    assert finding["fix"].startswith("fully_shard(model.layers.0, reshard_after_forward=True) (")
+    printed = "fully_shard(model.get_submodule('layers.0'), reshard_after_forward=True)"
+    assert finding["fix"].startswith(f"{printed} (")
     assert finding["bytes_at_stake"] == kept["unsharded_bytes"] // 3  # one of three equal layers
     assert finding["cost"].startswith("one more all-gather per module in backward (1 in all")
     assert finding["peak_before"] == kept["memtrim_peak"]
@@ -199,6 +200,12 @@ def test_reshard_after_forward_false_is_diagnosed_and_the_fix_measured(
     assert [d for d in named["diagnoses"] if d["rule"] == "fsdp-reshard-after-forward"] == []
     _assert_fix_measured(finding, kept, named, settled_peak_moves=True)
     _assert_fix_measured(finding, kept, resharded, settled_peak_moves=True)
+    # the printed call run as printed (tests/distributed_programs.py: printed_call, fsdp_model) in place
+    # of the program's own fully_shard of that layer: the same program as the named one
+    as_printed = ranks[rank]["fsdp_printed"]
+    _assert_events_equal_profiler(as_printed)
+    assert [d for d in as_printed["diagnoses"] if d["rule"] == "fsdp-reshard-after-forward"] == []
+    _assert_fix_measured(finding, kept, as_printed, settled_peak_moves=True)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
@@ -221,6 +228,11 @@ def test_gradient_as_bucket_view_false_is_diagnosed_and_the_fix_measured(
     # the fix applied (gradient_as_bucket_view=True); in most runs here the drops are equal to the
     # byte (49,920 B, the gradients' bytes)
     _assert_fix_measured(finding, copies, views, settled_peak_moves=True)
+    # and its DistributedDataParallel(...) evaluated as printed, model the Mlp the program wrapped
+    as_printed = ranks[rank]["ddp_printed"]
+    _assert_events_equal_profiler(as_printed)
+    assert [d for d in as_printed["diagnoses"] if d["rule"] == "ddp-gradient-as-bucket-view"] == []
+    _assert_fix_measured(finding, copies, as_printed, settled_peak_moves=True)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))

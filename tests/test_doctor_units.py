@@ -242,3 +242,26 @@ def test_a_large_trace_is_diagnosed_in_linear_passes() -> None:
     (d,) = diagnoses(analysis)
     # x comes from a factory under grad mode (it may be a leaf that requires grad): the chain is y -> z
     assert d.rule == "out-of-place-chain" and len(d.allocations) == 2500
+
+
+def test_every_module_expression_runs_as_printed_and_names_its_module() -> None:
+    """The expressions fixes print for a recorded module path resolve, with ``eval``, to that module of
+    the object the user holds: attribute names, ModuleList indices, ModuleDict keys that are digits or
+    not identifiers, keywords."""
+    from torch import nn
+
+    from memtrim.doctor.rules.common import module_expression
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(2)])
+    model.heads = nn.ModuleDict({"0": nn.Linear(2, 2), "a-b": nn.Linear(2, 2), "lambda": nn.Linear(2, 2)})
+    model.lm_head = nn.Linear(2, 3)
+    for name, module in model.named_modules():
+        expression = module_expression(f"Model.{name}" if name else "Model")
+        assert expression is not None
+        assert eval(expression, {"model": model}) is module, expression
+        if name and module_expression(f"Model.{name}", "weight") is not None and hasattr(module, "weight"):
+            weight = module_expression(f"Model.{name}", "weight")
+            assert weight is not None and eval(weight, {"model": model}) is module.weight
+    assert module_expression("Model.lm_head", "weight") == "model.lm_head.weight"
+    assert module_expression("Model.layers.0") == "model.get_submodule('layers.0')"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -84,12 +85,19 @@ def attribute_path(module: str | None) -> str | None:
 
 
 def module_expression(module: str | None, attribute: str = "") -> str | None:
-    """``model.lm_head.weight`` for module ``GPT2LMHeadModel.lm_head`` and attribute ``weight``."""
+    """``model.lm_head.weight`` for module ``GPT2LMHeadModel.lm_head`` and attribute ``weight``: Python
+    that runs as printed. A path with a part that is not an identifier (``layers.0``, a ``ModuleList``
+    index or a ``ModuleDict`` key) is ``model.get_submodule('layers.0')``, which resolves any
+    ``named_modules()`` name (``model.layers[0]`` would not, for a ``ModuleDict`` key ``"0"``)."""
     path = attribute_path(module)
     if path is None:
         return None
-    parts = ["model", *([path] if path else []), *([attribute] if attribute else [])]
-    return ".".join(parts)
+    parts = path.split(".") if path else []
+    if all(part.isidentifier() and not keyword.iskeyword(part) for part in parts):
+        text = ".".join(["model", *parts])
+    else:
+        text = f"model.get_submodule({path!r})"
+    return f"{text}.{attribute}" if attribute else text
 
 
 def describe(a: Allocation) -> str:
