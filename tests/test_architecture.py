@@ -1,10 +1,11 @@
 """The pipeline's import rules (docs/ARCHITECTURE.md), checked on the source: data flows one way.
 
 trace imports nothing of memtrim; capture -> trace; analysis -> trace; doctor -> analysis, trace;
-report -> doctor, analysis, trace; verify/bench/fixes -> capture, doctor, analysis, report, trace;
-plan -> those, fixes and verify; api, cases, cli and the package itself on top. ``memtrim.registry`` and
-``memtrim.units`` are leaves any stage may import. Every import counts, also one inside a function or
-under ``TYPE_CHECKING``: a lazy import is still an edge.
+report -> doctor, analysis, trace; verify/bench/fixes -> capture, doctor, analysis, report, trace, and
+verify -> fixes too (the checks it shares with the fix it proves); plan -> those, fixes and verify;
+api, cases, cli and the package itself on top. ``memtrim.registry`` and ``memtrim.units`` are leaves any
+stage may import. Every import counts, also one inside a function or under ``TYPE_CHECKING``: a lazy
+import is still an edge.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "analysis": {"trace"},
     "doctor": {"analysis", "trace"},
     "report": {"doctor", "analysis", "trace"},
-    "verify": LOWER,
+    "verify": LOWER | {"fixes"},
     "bench": LOWER,
     "fixes": LOWER,
     "plan": LOWER | {"fixes", "verify"},

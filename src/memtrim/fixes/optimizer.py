@@ -58,12 +58,7 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwa
     and free the gradient there. Drop ``optimizer.step()`` and ``optimizer.zero_grad()`` from the loop
     while installed; ``handle.remove()`` undoes it. A learning-rate scheduler of ``optimizer`` keeps
     working: each step reads its group's options (``lr``...) from ``optimizer.param_groups``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer_in_backward takes a torch.optim.Optimizer, not {type(optimizer).__name__}: "
-            "pass the optimizer your loop steps"
-        )
-    kind = type(optimizer)
+    kind = optimizer_class(optimizer, "optimizer_in_backward")
     accepted = inspect.signature(kind.__init__).parameters
     handle = OptimizerInBackwardHandle(optimizer, [], [])
     for group in optimizer.param_groups:
@@ -98,6 +93,32 @@ def _stepper(single: torch.optim.Optimizer, group: dict[str, Any]) -> Any:
         p.grad = None  # freed here, not when the next zero_grad() would have
 
     return step
+
+
+def optimizer_class(optimizer: Any, caller: str) -> type[torch.optim.Optimizer]:
+    """``optimizer``'s class; raises TypeError, naming ``caller``, where it is no torch.optim.Optimizer."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{caller} takes a torch.optim.Optimizer, not {type(optimizer).__name__}: pass the "
+            "optimizer your loop steps"
+        )
+    return type(optimizer)
+
+
+def check_options(
+    optimizer: Any, options: dict[str, Any], caller: str, needs: str
+) -> type[torch.optim.Optimizer]:
+    """``optimizer``'s class, where it is a torch.optim.Optimizer whose class takes every one of
+    ``options`` (at least one); raises otherwise, naming ``caller`` and what it ``needs`` the options
+    for. Shared by :func:`optimizer_options` and :func:`memtrim.verify.verify_optimizer`, so that what
+    the one proves is what the other sets."""
+    kind = optimizer_class(optimizer, caller)
+    if not options:
+        raise ValueError(f"{caller} needs the options {needs}")
+    unknown = sorted(set(options) - set(inspect.signature(kind.__init__).parameters))
+    if unknown:
+        raise ValueError(f"{kind.__name__} takes no option {', '.join(map(repr, unknown))}")
+    return kind
 
 
 # -- options of a live optimizer (fused=True, foreach=False) --------------------------------------------
@@ -147,17 +168,7 @@ def optimizer_options(optimizer: torch.optim.Optimizer, **options: Any) -> Optim
     had been built with them; its state is kept, so training goes on from where it is. ``handle.remove()``
     undoes it. Raises where the optimizer's class takes no such option, or (for ``fused=True``) where its
     parameters cannot take the fused step."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer_options takes a torch.optim.Optimizer, not {type(optimizer).__name__}: pass the "
-            "optimizer your loop steps"
-        )
-    if not options:
-        raise ValueError("optimizer_options needs the options to set, e.g. fused=True, foreach=False")
-    kind = type(optimizer)
-    unknown = sorted(set(options) - set(inspect.signature(kind.__init__).parameters))
-    if unknown:
-        raise ValueError(f"{kind.__name__} takes no option {', '.join(map(repr, unknown))}")
+    check_options(optimizer, options, "optimizer_options", "to set, e.g. fused=True, foreach=False")
     if options.get("fused"):
         why = fusable(optimizer)
         if why is not None:
@@ -186,7 +197,9 @@ __all__ = [
     "FUSED_ADAM",
     "OptimizerInBackwardHandle",
     "OptimizerOptionsHandle",
+    "check_options",
     "fusable",
+    "optimizer_class",
     "optimizer_in_backward",
     "optimizer_options",
 ]

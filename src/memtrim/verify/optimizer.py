@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memtrim.fixes.optimizer import check_options
 from memtrim.verify.results import VerifyReport
 
 SHAPE = (64, 48)
@@ -90,17 +91,7 @@ def verify_optimizer(
     ``foreach=False``, ...) is no less accurate than its step as built, group by group."""
     from memtrim.verify.api import verify
 
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"verify_optimizer takes a torch.optim.Optimizer, not {type(optimizer).__name__}: pass the "
-            "optimizer your loop steps"
-        )
-    if not options:
-        raise ValueError("verify_optimizer needs the options to check, e.g. fused=True")
-    kind = type(optimizer)
-    unknown = sorted(set(options) - set(inspect.signature(kind.__init__).parameters))
-    if unknown:
-        raise ValueError(f"{kind.__name__} takes no option {', '.join(map(repr, unknown))}")
+    kind = check_options(optimizer, options, "verify_optimizer", "to check, e.g. fused=True")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dtypes = sorted({p.dtype for p in params if torch.is_floating_point(p)}, key=str)
     device = params[0].device if params else torch.device("cpu")
