@@ -166,6 +166,45 @@ def test_fit_of_a_region_records_its_entries_and_says_what_was_alive_before(tmp_
     assert "3 loss(es)" in plan.numerics.note and plan.numerics.verdict == "pass"
 
 
+# the same stack, its size from the command line: a full-size config fitted on fake tensors, a small one
+# for the numeric check
+SIZED = HONEST.replace(
+    "model = nn.Sequential(*[Block() for _ in range(4)])",
+    "import sys\nmodel = nn.Sequential(*[Block() for _ in range(int(sys.argv[1]))])",
+).replace("x = torch.randn(256, 64)", "x = torch.randn(int(sys.argv[2]), 64)")
+
+
+@pytest.mark.parametrize("scale", ["1.0", '(1.5 if "forward" in model[0].__dict__ else 1.0)'])
+def test_a_fake_fit_checks_its_numbers_on_the_small_config_given_with_it(tmp_path: Path, scale: str) -> None:
+    """``--fake --check-args``: the plan is fitted and re-measured on fake tensors of the full-size
+    config, and its numeric check runs the small config on real tensors without and with the plan: bit
+    for bit for the honest program, a failure (exit status 1) for one whose numbers change when its
+    first block is checkpointed. The report says where the check ran and what the plan did there."""
+    (tmp_path / "stack.py").write_text(SIZED.replace("* 1.0", f"* {scale}"))
+    fit = ("fit", "--fake", "--check-args", "2 32", "--budget", f"{BUDGET}", "-o", "plan.json")
+    done = memtrim(*fit, "stack.py", "4", "256", cwd=tmp_path)
+    output = done.stdout + done.stderr
+    plan = mt.load_plan(str(tmp_path / "plan.json"))
+    assert {lever.lever for lever in plan.levers} >= {"checkpoint"}, output
+    assert "on real tensors of the small config (arguments '2 32'), not the full-size program" in output
+    assert "without the plan" in plan.numerics.note and "with it" in plan.numerics.note
+    if scale == "1.0":
+        assert done.returncode == 0, output
+        assert plan.numerics.verdict == "pass", plan.numerics
+        assert "that run: bit for bit (2 loss(es), 8 gradients" in plan.numerics.note  # 2 blocks, 2 steps
+    else:
+        assert done.returncode == 1, output
+        assert plan.numerics.verdict == "fail", plan.numerics
+        assert plan.numerics.max_differences["loss"] > 0
+
+
+def test_check_args_without_fake_is_refused_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "stack.py").write_text(HONEST)
+    done = memtrim("fit", "--check-args", "2 32", "--budget", f"{BUDGET}", "stack.py", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "drop --check-args or add --fake" in done.stderr
+
+
 def test_fit_under_fake_measures_the_plan_on_fake_tensors_as_the_profiler_does_on_real_ones(
     tmp_path: Path,
 ) -> None:

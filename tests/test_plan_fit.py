@@ -5,6 +5,8 @@ budget below what any lever reaches says the floor instead of a plan."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from groundtruth import profiler_memory
@@ -200,6 +202,41 @@ def test_fit_on_fake_tensors_predicts_and_measures_what_real_tensors_measure() -
     assert plan.measured_peak is not None
     assert abs(plan.measured_peak - truth.peak_in_window) <= 0.01 * truth.peak_in_window
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_fake_fit_checks_its_numbers_on_the_small_config_check_builds() -> None:
+    """``fit(step, fake=True, check=small)``: the plan is fitted on the full-size step's fake tensors and
+    its numbers checked by running ``small()`` (a 2-block model, built afresh each call) on real tensors
+    without and with the plan: bit for bit for checkpointing; a small step whose numbers change when its
+    first block is checkpointed fails the check."""
+    import torch
+    from torch import nn
+
+    import memtrim
+
+    def stack(blocks: int, rows: int, sensitive: bool = False) -> Callable[[], None]:
+        def step() -> None:
+            torch.manual_seed(0)
+            model = nn.Sequential(
+                *[nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64)) for _ in range(blocks)]
+            )
+            loss = model(torch.randn(rows, 64)).square().mean()
+            scale = 1.5 if sensitive and "forward" in model[0].__dict__ else 1.0  # checkpointed: patched
+            (loss * scale).backward()
+
+        return step
+
+    full = stack(4, 256)
+    with memtrim.track() as real:
+        full()
+    budget = int(real.peak_bytes * 0.8)
+    plan = memtrim.fit(full, budget=budget, fake=True, check=stack(2, 32))
+    assert plan.levers and all(lever.lever == "checkpoint" for lever in plan.levers)
+    assert plan.numerics.verdict == "pass", plan.numerics
+    assert "on real tensors of the small config (step())" in plan.numerics.note
+    assert "that run: bit for bit (1 loss(es), 8 gradients" in plan.numerics.note
+    failed = memtrim.fit(full, budget=budget, fake=True, check=stack(2, 32, sensitive=True))
+    assert failed.numerics.verdict == "fail" and failed.numerics.max_differences["loss"] > 0
 
 
 def test_the_floor_names_what_no_lever_removes_when_parameters_and_state_exceed_the_budget() -> None:

@@ -355,6 +355,7 @@ def fit(
     budget: str | int,
     allow: Iterable[str] = ("exact", "reference"),
     fake: bool = False,
+    check: Callable[[], object] | None = None,
 ) -> Plan:
     """The cheapest plan (levers of :mod:`memtrim.plan`) that brings ``step()``'s peak to ``budget``
     (``"24GiB"`` or bytes): ``step`` is recorded once, the levers' combinations are replayed on the
@@ -365,7 +366,10 @@ def fit(
     after each, so ``step()`` runs four times and the model is left as two steps leave it.
     ``fake=True`` records and re-measures under ``FakeTensorMode`` (as ``track(fake=True)``: a full-size
     step measured without allocating it) and runs the step twice; the numeric check is then not run
-    (``plan.numerics.verdict == "not-run"``): fit a small config of the same model for it.
+    (``plan.numerics.verdict == "not-run"``) unless ``check`` is given: a callable that builds a small
+    config of the same model and runs one step of it from scratch (the same seeds each call); it runs
+    on real tensors without and with the plan and the two are compared (levers whose targets the small
+    model lacks are not applied there; the note gives both runs' peaks).
     Raises :class:`~memtrim.plan.fit.NoPlanFits` naming the floor when no combination fits."""
     from memtrim.doctor.diagnosis import KEEPS
     from memtrim.plan import parse_budget
@@ -387,10 +391,21 @@ def fit(
         step()
     plan.measured_peak = measured.peak_bytes
     if fake:
-        from memtrim.plan.command import FAKE_NOTE
+        from memtrim.plan.command import FAKE_NOTE, small_config_check
         from memtrim.plan.file import Numerics
 
-        plan.numerics = Numerics("not-run", {}, FAKE_NOTE)
+        if check is None:
+            plan.numerics = Numerics("not-run", {}, FAKE_NOTE)
+            return plan
+        small_step = check
+
+        def small() -> Analysis:
+            with track() as small_trace:
+                small_step()
+            return small_trace.analysis
+
+        label = getattr(check, "__name__", "check")
+        plan.numerics = small_config_check(plan, small, f"{label}()")
         return plan
     # the numeric check: the same state and seed, once without and once with the plan; the models and
     # optimizers are put back after each, so the step leaves them as the measured run did

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import runpy
+import shlex
 import signal
 import sys
 import traceback
@@ -362,7 +363,31 @@ def _fit(args: argparse.Namespace) -> int:
         return None if trace is None else trace.analysis
 
     allow = frozenset({"exact", "reference", *args.allow})
-    return fit_program(once, budget, allow=allow, output=args.output, fake=args.fake)
+    check = None
+    if args.check_args is not None:
+        if not args.fake:
+            raise UsageError(
+                "--check-args is the small config the numeric check of a --fake fit runs on; without "
+                "--fake memtrim fit checks the program itself: drop --check-args or add --fake"
+            )
+        try:
+            small_args = shlex.split(args.check_args)
+        except ValueError as exc:
+            raise UsageError(f"--check-args {args.check_args!r}: {exc}") from exc
+
+        def check() -> Any:
+            # the same script on real tensors, with the small config's arguments
+            full_argv = sys.argv
+            args.fake, sys.argv = False, [full_argv[0], *small_args]
+            try:
+                return once()
+            finally:
+                args.fake, sys.argv = True, full_argv
+
+    label = f"arguments {args.check_args!r}" if args.check_args is not None else ""
+    return fit_program(
+        once, budget, allow=allow, output=args.output, fake=args.fake, check=check, check_label=label
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -621,8 +646,8 @@ def _version() -> str:
 
 RUN_USAGE = "memtrim run [options] (SCRIPT | -m MODULE) [ARGS ...]"
 FIT_USAGE = (
-    "memtrim fit --budget BYTES [-o PLAN] [--region NAME] [--fake] [--allow changes-training] "
-    "(SCRIPT | -m MODULE) [ARGS ...]"
+    "memtrim fit --budget BYTES [-o PLAN] [--region NAME] [--fake [--check-args ARGS]] "
+    "[--allow changes-training] (SCRIPT | -m MODULE) [ARGS ...]"
 )
 
 
@@ -675,6 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fake",
         action="store_true",
         help="record and re-measure under FakeTensorMode: full-size models, no allocation, no numeric check",
+    )
+    fitting.add_argument(
+        "--check-args",
+        metavar="ARGS",
+        help="with --fake: the script's arguments for a small config of the same model, quoted as one "
+        "word; the plan's numeric check runs the script so, on real tensors, without and with the plan",
     )
     fitting.add_argument(
         "--allow",

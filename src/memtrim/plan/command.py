@@ -133,8 +133,8 @@ def render_result(plan: Plan) -> str:
 
 
 FAKE_NOTE = (
-    "measured on fake tensors, which hold no values: check the numbers with memtrim fit (without --fake) "
-    "on a small config of the same model, or memtrim.fit(step, budget) in Python"
+    "measured on fake tensors, which hold no values: give a small config of the same model to check the "
+    "numbers on (memtrim fit --fake --check-args ARGS, or memtrim.fit(step, budget, fake=True, check=small))"
 )
 
 
@@ -153,6 +153,43 @@ def _watched(
     return analysis, capture
 
 
+_UNSEEDED = (
+    "two runs without the plan, seeded alike, computed different numbers, so a run with it cannot be "
+    "compared (seed it, or fix its data order)"
+)
+
+
+def small_config_check(plan: Plan, check: RunProgram, label: str) -> Numerics:
+    """The numeric check of a plan fitted on fake tensors, run on real ones: ``check`` runs a small
+    config of the same model (``label`` says which) without the plan and with it, compared as
+    :func:`fit_program` compares the program itself; the note says where it ran and what the plan did to
+    that run's peak (a lever whose target the small config lacks, a block past its last layer, is not
+    applied there, and its numbers are not checked)."""
+    exact = all(lever.keeps == "exact" for lever in plan.levers)
+    unplanned_analysis, unplanned = _watched(check, None)
+    if unplanned_analysis is None:
+        return Numerics("not-run", note=f"the small config ({label}) did not run to the end")
+    checked = None if exact else reference_check(plan, unplanned)
+    planned_analysis, planned = _watched(check, plan)
+    if planned_analysis is None:
+        return Numerics("fail", note=f"the small config ({label}) did not run to the end with the plan")
+    where = "that run"
+    numerics = checked or compare(plan, unplanned.captured, planned.captured, where=where)
+    before, after = unplanned_analysis.peak.bytes, planned_analysis.peak.bytes
+    unplanned.release()
+    if exact and numerics.verdict == "fail":
+        _, again = _watched(check, None)
+        again.release()
+        if not identical(unplanned.captured, again.captured):
+            text = f"the small config ({label}) is not deterministic: {_UNSEEDED}"
+            return Numerics("not-run", numerics.max_differences, text)
+    peaks = f"its peak {format_bytes(before)} without the plan, {format_bytes(after)} with it"
+    note = (
+        f"on real tensors of the small config ({label}), not the full-size program ({peaks}); {numerics.note}"
+    )
+    return Numerics(numerics.verdict, numerics.max_differences, note)
+
+
 def fit_program(
     run: RunProgram,
     budget: int,
@@ -161,10 +198,13 @@ def fit_program(
     output: str | None = None,
     out: TextIO | None = None,
     fake: bool = False,
+    check: RunProgram | None = None,
+    check_label: str = "",
 ) -> int:
     """Fit the program ``run`` runs into ``budget`` bytes; print the plan and its check; the exit status.
-    ``fake``: ``run`` records under FakeTensorMode; the plan is re-measured so, and the numeric check is
-    not run (fake tensors hold no values)."""
+    ``fake``: ``run`` records under FakeTensorMode; the plan is re-measured so, and the numeric check
+    runs on ``check`` (a small config of the same program, ``check_label`` says which:
+    :func:`small_config_check`) or, without one, not at all (fake tensors hold no values)."""
     stream = out or sys.stdout
     analysis, unplanned = _watched(run, None, fake=fake)
     if analysis is None:
@@ -184,17 +224,20 @@ def fit_program(
         return 1
     plan.measured_peak = measured.peak.bytes
     if fake:
-        numerics = Numerics("not-run", {}, FAKE_NOTE)
+        numerics = (
+            Numerics("not-run", {}, FAKE_NOTE)
+            if check is None
+            else small_config_check(plan, check, check_label)
+        )
     else:
         numerics = checked or compare(plan, unplanned.captured, planned.captured, where="the program")
-    if exact and numerics.verdict == "fail":
+    if exact and numerics.verdict == "fail" and not fake:
         _, again = _watched(run, None)
         if not identical(unplanned.captured, again.captured):
             numerics = Numerics(
                 "not-run",
                 numerics.max_differences,
-                "the program is not deterministic: two runs without the plan, seeded alike, computed "
-                "different numbers, so a run with it cannot be compared (seed it, or fix its data order)",
+                f"the program is not deterministic: {_UNSEEDED}",
             )
     plan.numerics = numerics
     print("", render_result(plan), sep="\n", file=stream)
