@@ -79,3 +79,12 @@ def test_no_advice_for_a_lean_program() -> None:
     with memtrim.track() as trace:
         head_results(z, W_O).sum().backward()
     assert trace.diagnoses() == []
+
+
+def test_the_proofs_first_lines_fit_a_100_column_report() -> None:
+    """A report indents a proof by six columns (and ``memtrim show`` of ranks fits 100): each fixed first
+    line, the one naming what the proof needs bound, is at most 94 characters."""
+    from memtrim.doctor.diagnosis import LIVE_PROOF_NAMES, MODULE_PROOF_NAMES, PROOF_NAMES
+
+    for line in (PROOF_NAMES, MODULE_PROOF_NAMES, LIVE_PROOF_NAMES):
+        assert len(line) <= 94, (len(line), line)

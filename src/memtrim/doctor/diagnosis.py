@@ -45,9 +45,9 @@ NAME: what they are``): ``original`` and ``rewrite``, the code before and after 
 the tuple ``inputs``."""
 
 MODULE_PROOF_NAMES = (
-    "# with original, rewrite, inputs: the code before and after the fix, calling your model, a tuple of "
-    "its arguments"
+    "# with original, rewrite, inputs: model-calling code before and after the fix, a tuple of args"
 )
+"""The first line of :func:`module_proof` (at most 94 characters: 100 columns where a report indents it)."""
 
 
 def module_proof(keeps: VerifyMode, dtype: str) -> str:
@@ -60,7 +60,7 @@ def module_proof(keeps: VerifyMode, dtype: str) -> str:
 
 
 LIVE_PROOF_NAMES = (
-    "# with model, batch, loss_fn: the model (before apply), one batch, loss_fn(model, batch) its loss"
+    "# with model, batch, loss_fn: the model before apply, a batch, loss_fn(model, batch) its loss"
 )
 
 
