@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, overload
 
-SCHEMA = "memtrim.trace/2"
+SCHEMA = "memtrim.trace/3"
 
 SCALAR_OPS = frozenset(
     f"aten.{name}.{overload}"
@@ -29,7 +29,8 @@ SCALAR_OPS = frozenset(
     for overload in ("Tensor", "Scalar")
 )
 """The ops whose Python-number operands the recorder keeps (:attr:`TraceLog.scalars`)."""
-"""What :func:`~memtrim.trace.save` writes. /2 adds allocation facts and regions to /1, which loads too."""
+"""What :func:`~memtrim.trace.save` writes. /2 added allocation facts and regions to /1; /3 holds /2's
+values as columns with string and site tables (:mod:`memtrim.trace.columns`). /1 and /2 load too."""
 
 
 class Phase(str, Enum):
