@@ -54,104 +54,123 @@ _NONE = type(None)
 
 
 # -- writing ---------------------------------------------------------------------------------------
+class _Numbers(dict[Any, Any]):
+    """Values to their numbers in a table, each numbered when first seen (``None``: ``None``)."""
+
+    def __init__(self, entry: Callable[[Any], Any]) -> None:
+        super().__init__({None: None})
+        self.table: list[Any] = []
+        self._entry = entry
+
+    def __missing__(self, key: Any) -> int:
+        number = self[key] = len(self.table)
+        self.table.append(self._entry(key))
+        return number
+
+
+class _FactNumbers(dict[frozenset[Fact], list[int]]):
+    """An allocation's facts to their string numbers, in the order of their values."""
+
+    def __init__(self, strings: _Numbers) -> None:
+        super().__init__()
+        self._strings = strings
+
+    def __missing__(self, facts: frozenset[Fact]) -> list[int]:
+        found = self[facts] = [self._strings[f] for f in sorted(facts, key=attrgetter("value"))]
+        return found
+
+
 class Tables:
-    """The site and string tables of one log, and the numbers its values get in them."""
+    """The site, string and shape tables of one log, filled as its columns are written: a value gets
+    its number the first time a column holds it, so the tables are complete once every column is."""
 
-    def __init__(self, log: TraceLog) -> None:
-        rows, allocations = log.ops.rows, log.allocations
-        failed = [] if log.failed_op is None else [log.failed_op.site]
-        # Sites are shared objects (the recorder keeps one per frame and line): gathered by identity,
-        # which skips hashing the dataclass, then made unique by value (an equal but distinct object)
-        by_id: dict[int, Site | None] = {}
-        for sites in (
-            lambda: map(itemgetter(3), rows),
-            lambda: map(attrgetter("site"), allocations),
-            lambda: map(attrgetter("call_site"), allocations),
-            lambda: iter(failed),
-        ):  # each column read twice rather than held: saving stays a chunk at a time
-            by_id.update(zip(map(id, sites()), sites(), strict=True))
+    def __init__(self) -> None:
+        self._strings = _Numbers(str)  # a Phase or Fact member is its value (str-valued enums)
+        self._shapes = _Numbers(list)
         self.sites: list[Site] = []
-        numbers: dict[Site, int] = {}
-        self.site_number: dict[int, int | None] = {id(None): None}
-        for key, site in by_id.items():
-            if site is None:
-                continue
-            number = numbers.setdefault(site, len(self.sites))
-            if number == len(self.sites):
-                self.sites.append(site)
-            self.site_number[key] = number
-        strings: dict[Any, None] = dict.fromkeys(p.value for p in Phase)
-        strings.update(dict.fromkeys(f.value for f in Fact))
-        for column in (1, 4, 5):
-            strings.update(dict.fromkeys(map(itemgetter(column), rows)))
-        for name in ("op", "dtype", "device", "node", "module"):
-            strings.update(dict.fromkeys(map(attrgetter(name), allocations)))
-        strings.pop(None, None)
-        self.strings: list[str] = [str(s) for s in strings]
-        self.string_number: dict[Any, int | None] = {s: i for i, s in enumerate(self.strings)}
-        self.string_number[None] = None
-        self._facts: dict[frozenset[Fact], list[int]] = {}
-        self.shapes: list[tuple[int, ...]] = list(dict.fromkeys(map(attrgetter("shape"), allocations)))
-        self.shape_number = {shape: i for i, shape in enumerate(self.shapes)}
+        self._site_by_value: dict[Site, int] = {}
+        # Sites are shared objects (the recorder keeps one per frame and line): looked up by identity,
+        # which skips hashing the dataclass; an equal but distinct object gets the same number
+        self._site_by_id: dict[int, int | None] = {id(None): None}
+        self._facts = _FactNumbers(self._strings)
 
-    def site(self, values: Iterable[Site | None]) -> Iterator[int | None]:
-        """Each site's number (every site of the log is in the table, by identity)."""
-        return map(self.site_number.__getitem__, map(id, values))
+    @property
+    def strings(self) -> list[str]:
+        return self._strings.table
 
-    def string(self, values: Iterable[Any]) -> Iterator[int | None]:
-        return map(self.string_number.__getitem__, values)
+    @property
+    def shapes(self) -> list[list[int]]:
+        return self._shapes.table
 
-    def facts(self, values: Iterable[frozenset[Fact]]) -> Iterator[list[int]]:
-        cache, number = self._facts, self.string_number
+    def site(self, chunk: list[Site | None]) -> list[int | None]:
+        ids = list(map(id, chunk))
+        by_id = self._site_by_id
+        try:
+            return list(map(by_id.__getitem__, ids))
+        except KeyError:
+            for key, site in zip(ids, chunk, strict=True):
+                if key not in by_id:
+                    number = self._site_by_value.setdefault(site, len(self.sites))  # type: ignore[arg-type]
+                    if number == len(self.sites):
+                        self.sites.append(site)  # type: ignore[arg-type]
+                    by_id[key] = number
+            return list(map(by_id.__getitem__, ids))
 
-        def numbers(facts: frozenset[Fact]) -> list[int]:
-            found = cache.get(facts)
-            if found is None:
-                found = cache[facts] = sorted(number[f.value] for f in facts)  # type: ignore[misc]
-            return found
+    def string(self, chunk: list[Any]) -> list[int | None]:
+        return list(map(self._strings.__getitem__, chunk))
 
-        return map(numbers, values)
+    def shape(self, chunk: list[tuple[int, ...]]) -> list[int]:
+        return list(map(self._shapes.__getitem__, chunk))
+
+    def facts(self, chunk: list[frozenset[Fact]]) -> list[list[int]]:
+        return list(map(self._facts.__getitem__, chunk))
 
 
-def op_columns(log: TraceLog, tables: Tables) -> list[tuple[str, Callable[[], Iterable[Any]]]]:
+Column = tuple[str, Callable[[], Iterable[Any]], Callable[[list[Any]], list[Any]] | None]
+"""A column's name, its values (made anew for each pass), and what turns a chunk of them into the
+numbers written (``None``: written as they are)."""
+
+
+def op_columns(log: TraceLog, tables: Tables) -> list[Column]:
     rows = log.ops.rows
+
+    def field(i: int) -> Callable[[], Iterable[Any]]:
+        return lambda: map(itemgetter(i), rows)
+
     return [
-        ("tick", lambda: map(itemgetter(0), rows)),
-        ("op", lambda: tables.string(map(itemgetter(1), rows))),
-        ("phase", lambda: tables.string(map(itemgetter(2), rows))),
-        ("site", lambda: tables.site(map(itemgetter(3), rows))),
-        ("node", lambda: tables.string(map(itemgetter(4), rows))),
-        ("module", lambda: tables.string(map(itemgetter(5), rows))),
-        ("input_count", lambda: map(len, map(itemgetter(6), rows))),
-        ("inputs", lambda: chain.from_iterable(map(itemgetter(6), rows))),
+        ("tick", field(0), None),
+        ("op", field(1), tables.string),
+        ("phase", field(2), tables.string),
+        ("site", field(3), tables.site),
+        ("node", field(4), tables.string),
+        ("module", field(5), tables.string),
+        ("input_count", lambda: map(len, map(itemgetter(6), rows)), None),
+        ("inputs", lambda: chain.from_iterable(map(itemgetter(6), rows)), None),
     ]
 
 
-def allocation_columns(log: TraceLog, tables: Tables) -> list[tuple[str, Callable[[], Iterable[Any]]]]:
+def allocation_columns(log: TraceLog, tables: Tables) -> list[Column]:
     allocations = log.allocations
+    convert: dict[str, Callable[[list[Any]], list[Any]]] = {
+        **dict.fromkeys(("dtype", "device", "op", "phase", "free_phase", "node", "module"), tables.string),
+        "site": tables.site,
+        "call_site": tables.site,
+        "facts": tables.facts,
+        "shape": tables.shape,
+    }
 
-    def field(name: str) -> Iterable[Any]:
-        return map(attrgetter(name), allocations)
+    def field(name: str) -> Callable[[], Iterable[Any]]:
+        return lambda: map(attrgetter(name), allocations)
 
-    def column(name: str) -> Callable[[], Iterable[Any]]:
-        if name in ("dtype", "device", "op", "phase", "free_phase", "node", "module"):
-            return lambda: tables.string(field(name))
-        if name in ("site", "call_site"):
-            return lambda: tables.site(field(name))
-        if name == "facts":
-            return lambda: tables.facts(field(name))
-        if name == "shape":
-            return lambda: map(tables.shape_number.__getitem__, field(name))
-        return lambda: field(name)
-
-    return [(name, column(name)) for name in ALLOCATION_FIELDS]
+    return [(name, field(name), convert.get(name)) for name in ALLOCATION_FIELDS]
 
 
-def chunks(values: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """``values`` in lists of ``size``."""
-    values = iter(values)
+def column_chunks(column: Column, size: int) -> Iterator[list[Any]]:
+    """A column's values as written, in lists of ``size``."""
+    _, source, convert = column
+    values = iter(source())
     while chunk := list(islice(values, size)):
-        yield chunk
+        yield chunk if convert is None else convert(chunk)
 
 
 # -- reading ---------------------------------------------------------------------------------------

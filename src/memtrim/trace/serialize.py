@@ -98,11 +98,15 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
     (:mod:`memtrim.trace.columns`)."""
     from memtrim.trace import columns
 
-    tables = columns.Tables(log)
+    tables = columns.Tables()
 
-    def ref(site: Site | None) -> int | None:
-        return next(tables.site([site]))
+    def written(column: columns.Column) -> list[Any]:
+        return [value for chunk in columns.column_chunks(column, 1 << 62) for value in chunk]
 
+    ops = {"count": len(log.ops), **{c[0]: written(c) for c in columns.op_columns(log, tables)}}
+    failed_op = failed_op_data(log, lambda site: tables.site([site])[0])
+    allocations: dict[str, Any] = {"count": len(log.allocations)}
+    allocations.update({c[0]: written(c) for c in columns.allocation_columns(log, tables)})
     return {
         "schema": SCHEMA,
         "fake": log.fake,
@@ -111,17 +115,15 @@ def log_to_dict(log: TraceLog) -> dict[str, Any]:
         "cuda_max_allocated": log.cuda_max_allocated,
         "metadata": log.metadata,
         "end_tick": log.end_tick,
-        "sites": [[s.file, s.line, s.function] for s in tables.sites],
-        "strings": tables.strings,
-        "shapes": [list(shape) for shape in tables.shapes],
-        "ops": {"count": len(log.ops), **{name: list(v()) for name, v in columns.op_columns(log, tables)}},
-        "failed_op": failed_op_data(log, ref),
-        "allocations": {
-            "count": len(log.allocations),
-            **{name: list(v()) for name, v in columns.allocation_columns(log, tables)},
-        },
+        "ops": ops,
+        "failed_op": failed_op,
+        "allocations": allocations,
         "regions": [[r.name, r.start_tick, r.end_tick] for r in log.regions],
         "scalars": scalars_data(log),
+        # the tables last: filled while the columns above were written
+        "sites": [[s.file, s.line, s.function] for s in tables.sites],
+        "strings": tables.strings,
+        "shapes": tables.shapes,
     }
 
 

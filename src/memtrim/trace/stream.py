@@ -87,7 +87,7 @@ def _rows(handle: IO[str], rows: Iterable[Any]) -> None:
 def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = None) -> None:
     """Write ``{schema, <summary>, <raw log>}`` to ``handle`` as :func:`~memtrim.trace.dumps` would
     (same keys, same order, same values)."""
-    tables = columns.Tables(log)
+    tables = columns.Tables()
     head: dict[str, Any] = {"schema": SCHEMA, **(summary or {})}
     head.update(
         fake=log.fake,
@@ -100,29 +100,28 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     handle.write("{")
     for i, (key, value) in enumerate(head.items()):
         handle.write(("\n" if i == 0 else ",\n") + f"{_value(key)}: {_value(value)}")
-    handle.write(',\n"sites": ')
-    _rows(handle, ([s.file, s.line, s.function] for s in tables.sites))
-    handle.write(f',\n"strings": {_value(tables.strings)},\n"shapes": {_compact(tables.shapes)}')
     _section(handle, "ops", len(log.ops), columns.op_columns(log, tables))
-    failed = failed_op_data(log, lambda site: next(tables.site([site])))
+    failed = failed_op_data(log, lambda site: tables.site([site])[0])
     handle.write(f',\n"failed_op": {_value(failed)}')
     _section(handle, "allocations", len(log.allocations), columns.allocation_columns(log, tables))
     handle.write(',\n"regions": ')
     _rows(handle, ([r.name, r.start_tick, r.end_tick] for r in log.regions))
     handle.write(',\n"scalars": ')
     _rows(handle, scalars_data(log))
+    # the tables last: filled while the columns were written
+    handle.write(',\n"sites": ')
+    _rows(handle, ([s.file, s.line, s.function] for s in tables.sites))
+    handle.write(f',\n"strings": {_value(tables.strings)},\n"shapes": {_compact(tables.shapes)}')
     handle.write("\n}\n")
 
 
-def _section(
-    handle: IO[str], name: str, count: int, fields: list[tuple[str, Callable[[], Iterable[Any]]]]
-) -> None:
+def _section(handle: IO[str], name: str, count: int, fields: list[columns.Column]) -> None:
     """``"name": {"count": N, "field": [...], ...}``, one column per line, encoded a chunk at a time."""
     handle.write(f',\n{_value(name)}: {{"count": {count}')
-    for field, values in fields:
-        handle.write(f",\n {_value(field)}: [")
+    for column in fields:
+        handle.write(f",\n {_value(column[0])}: [")
         first = True
-        for chunk in columns.chunks(values(), CHUNK):
+        for chunk in columns.column_chunks(column, CHUNK):
             handle.write(_compact(chunk)[1:-1] if first else "," + _compact(chunk)[1:-1])
             first = False
         handle.write("]")
