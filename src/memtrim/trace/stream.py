@@ -1,10 +1,10 @@
 """Saving a trace in bounded memory: the same ``memtrim.trace/3`` JSON that :func:`~memtrim.trace.load`
 reads, written to the file piece by piece instead of built whole in memory first.
 
-:func:`~memtrim.trace.serialize.dumps` makes every op row and allocation object, then one string of the
-whole file (4000 steps, 380k ops: 895 MiB above the trace itself, for an 83 MiB file). Here each op
-row and each allocation is encoded in chunks of :data:`CHUNK` and written at once, one per line, so
-saving costs the site table and one chunk at a time; the file is written atomically, with the
+:func:`~memtrim.trace.serialize.dumps` builds every column, then one string of the whole file. Here
+each column (:mod:`memtrim.trace.columns`) is encoded in chunks of :data:`CHUNK` values and written at
+once, one column per line, and the string, shape and site tables (filled as the columns are written)
+come last, so saving costs the tables and one chunk at a time; the file is written atomically, with the
 permissions ``open()`` would give it, like :func:`~memtrim.trace.save`.
 """
 
