@@ -41,6 +41,6 @@ def test_a_loaded_first_schema_trace_saves_as_the_current_schema(tmp_path: Path)
     trace = memtrim.load(str(GOLDEN))
     path = tmp_path / "again.json"
     trace.save(str(path))
-    assert json.loads(path.read_text())["schema"] == "memtrim.trace/2"
+    assert json.loads(path.read_text())["schema"] == "memtrim.trace/3"
     again = memtrim.load(str(path))
     assert again.report() == trace.report() and again.allocations == trace.allocations

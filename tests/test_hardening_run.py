@@ -55,7 +55,8 @@ def test_a_forked_child_never_writes_or_reports(child_ends: str, child_status: i
     assert f"child status {child_status}" in done.stdout
     assert done.stderr.count("trace written to") == 1
     data = json.loads((tmp_path / "t.json").read_text())
-    made = sorted(a["bytes"] for a in data["allocations"] if not a["preexisting"])
+    columns = data["allocations"]  # memtrim.trace/3: allocations as columns
+    made = sorted(b for b, before in zip(columns["bytes"], columns["preexisting"], strict=True) if not before)
     # the parent's trace: its 8 MiB tensor (made after the child ended) is in it; the child's 16 floats
     # are not (each process records only its own ops)
     assert 2048 * 1024 * 4 in made and 16 * 4 not in made

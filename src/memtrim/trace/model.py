@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, overload
 
-SCHEMA = "memtrim.trace/2"
+SCHEMA = "memtrim.trace/3"
+"""What :func:`~memtrim.trace.save` writes. /2 added allocation facts and regions to /1; /3 holds /2's
+values as columns with string and site tables (:mod:`memtrim.trace.columns`). /1 and /2 load too."""
 
 SCALAR_OPS = frozenset(
     f"aten.{name}.{overload}"
@@ -30,7 +32,6 @@ SCALAR_OPS = frozenset(
 ) | {"aten.slice.Tensor"}
 """The ops whose Python-number operands the recorder keeps (:attr:`TraceLog.scalars`): arithmetic with
 a number, and ``slice`` (its dim, start, end and step: a copy of ``logits[:, :-1]`` before a loss)."""
-"""What :func:`~memtrim.trace.save` writes. /2 adds allocation facts and regions to /1, which loads too."""
 
 
 class Phase(str, Enum):

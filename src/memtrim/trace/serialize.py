@@ -20,7 +20,8 @@ from memtrim.trace.collector import collector_paused
 from memtrim.trace.invariants import check_invariants
 from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
 
-READABLE_SCHEMAS = ("memtrim.trace/1", SCHEMA)
+SCHEMA_V2 = "memtrim.trace/2"
+READABLE_SCHEMAS = ("memtrim.trace/1", SCHEMA_V2, SCHEMA)
 
 OP_COLUMNS = ["seq", "tick", "op", "phase", "site", "node", "module", "inputs"]
 OP_COLUMNS_V1 = OP_COLUMNS[:-1]  # memtrim.trace/1 recorded no inputs
@@ -93,14 +94,49 @@ def failed_op_data(log: TraceLog, ref: Callable[[Site | None], int | None]) -> l
 
 
 def log_to_dict(log: TraceLog) -> dict[str, Any]:
-    """The raw event log as plain JSON data."""
+    """The raw event log as plain JSON data, in the ``memtrim.trace/3`` layout
+    (:mod:`memtrim.trace.columns`)."""
+    from memtrim.trace import columns
+
+    tables = columns.Tables()
+
+    def written(column: columns.Column) -> list[Any]:
+        return [value for chunk in columns.column_chunks(column, 1 << 62) for value in chunk]
+
+    ops = {"count": len(log.ops), **{c[0]: written(c) for c in columns.op_columns(log, tables)}}
+    failed_op = failed_op_data(log, lambda site: tables.site([site])[0])
+    allocations: dict[str, Any] = {"count": len(log.allocations)}
+    allocations.update({c[0]: written(c) for c in columns.allocation_columns(log, tables)})
+    return {
+        "schema": SCHEMA,
+        "fake": log.fake,
+        "finished": log.finished,
+        "error": log.error,
+        "cuda_max_allocated": log.cuda_max_allocated,
+        "metadata": log.metadata,
+        "end_tick": log.end_tick,
+        "ops": ops,
+        "failed_op": failed_op,
+        "allocations": allocations,
+        "regions": [[r.name, r.start_tick, r.end_tick] for r in log.regions],
+        "scalars": scalars_data(log),
+        # the tables last: filled while the columns above were written
+        "sites": [[s.file, s.line, s.function] for s in tables.sites],
+        "strings": tables.strings,
+        "shapes": tables.shapes,
+    }
+
+
+def log_to_dict_v2(log: TraceLog) -> dict[str, Any]:
+    """The raw event log in the ``memtrim.trace/2`` layout (rows and objects): what older memtrims
+    read, and what the /2 reader's tests start from."""
     sites, index = _site_table(log)
 
     def ref(site: Site | None) -> int | None:
         return None if site is None else index[site]
 
     return {
-        "schema": SCHEMA,
+        "schema": SCHEMA_V2,
         "fake": log.fake,
         "finished": log.finished,
         "error": log.error,
@@ -327,62 +363,16 @@ def _decline(*row: Any) -> None:
     return None
 
 
-def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
-    """The :class:`TraceLog` in ``data`` (parsed JSON), checked field by field (``fast=False``: every
-    row through the field-by-field checks; the result, or the error, is the same either way)."""
-    if not isinstance(data, dict) or "schema" not in data:
-        raise TraceFormatError("not a memtrim trace: expected a JSON object with a 'schema' field")
-    if data["schema"] not in READABLE_SCHEMAS:
-        raise TraceFormatError(
-            f"trace schema {_prefix(data['schema'])} is not supported by this memtrim (reads "
-            f"{', '.join(map(repr, READABLE_SCHEMAS))}); re-record the trace with this version"
-        )
+def _rows_v2(
+    data: Mapping[str, Any],
+    sites: list[Site],
+    site: Callable[[Any, str], Site | None],
+    columns: list[str],
+    op_from_row: Callable[[Any, str], OpCall],
+    fast: bool,
+) -> tuple[OpLog, list[Allocation]]:
+    """The ops (rows) and allocations (objects) of a /1 or /2 file."""
     get = lambda name: _field(data, name, "the trace")  # noqa: E731
-    sites = []
-    for i, row in enumerate(_list(get("sites"), "sites")):
-        where = f"sites[{i}]"
-        if not isinstance(row, list) or len(row) != 3:
-            raise _fail(where, "[file, line, function]", row)
-        sites.append(
-            Site(
-                _str(row[0], where + " file"),
-                _int(row[1], where + " line"),
-                _str(row[2], where + " function"),
-            )
-        )
-
-    def site(value: Any, where: str) -> Site | None:
-        if value is None:
-            return None
-        if type(value) is not int or not 0 <= value < len(sites):
-            raise _fail(where, f"a site number below {len(sites)} or null", value)
-        return sites[value]
-
-    # the layout the file says it used: /1 had no inputs column, /2 writers may omit it too
-    columns = data.get("op_columns", OP_COLUMNS if data["schema"] == SCHEMA else OP_COLUMNS_V1)
-    if columns not in (OP_COLUMNS, OP_COLUMNS_V1):
-        raise _fail("op_columns", f"{OP_COLUMNS} or {OP_COLUMNS_V1}", columns)
-
-    def op_from_row(row: Any, where: str) -> OpCall:
-        if not isinstance(row, list) or len(row) != len(columns):
-            raise _fail(where, "[" + ", ".join(columns) + "]", row)
-        seq, tick, op, phase, site_index, node, module, *rest = row
-        inputs = (
-            tuple(_int(i, f"{where} inputs[{j}]") for j, i in enumerate(_list(rest[0], where + " inputs")))
-            if rest
-            else ()
-        )
-        return OpCall(
-            _int(seq, where + " seq"),
-            _int(tick, where + " tick"),
-            _str(op, where + " op"),
-            _phase(phase, where + " phase"),
-            site(site_index, where + " site"),
-            _optional(_str, node, where + " node"),
-            _optional(_str, module, where + " module"),
-            inputs,
-        )
-
     ops = OpLog()
     fast_op = _fast_op_reader(sites, len(columns)) if fast else _decline
     rows = ops.rows
@@ -392,7 +382,6 @@ def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
             rows.append(fast_row)
         else:  # the checks one by one: the error names the field (or a value the fast path declined)
             ops.append(op_from_row(row, f"ops[{i}]"))
-
     allocations = []
     fast_allocation = _fast_allocation_reader(sites) if fast else _decline
     for i, a in enumerate(_list(get("allocations"), "allocations")):
@@ -434,7 +423,74 @@ def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
         )
         if (allocations[-1].free_tick is None) != (allocations[-1].free_phase is None):
             raise _fail(where + ".free_phase", "set exactly when free_tick is", f("free_phase"))
+    return ops, allocations
 
+
+def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
+    """The :class:`TraceLog` in ``data`` (parsed JSON), checked field by field (``fast=False``: every
+    row through the field-by-field checks; the result, or the error, is the same either way)."""
+    if not isinstance(data, dict) or "schema" not in data:
+        raise TraceFormatError("not a memtrim trace: expected a JSON object with a 'schema' field")
+    if data["schema"] not in READABLE_SCHEMAS:
+        raise TraceFormatError(
+            f"trace schema {_prefix(data['schema'])} is not supported by this memtrim (reads "
+            f"{', '.join(map(repr, READABLE_SCHEMAS))}); re-record the trace with this version"
+        )
+    get = lambda name: _field(data, name, "the trace")  # noqa: E731
+    sites = []
+    for i, row in enumerate(_list(get("sites"), "sites")):
+        where = f"sites[{i}]"
+        if not isinstance(row, list) or len(row) != 3:
+            raise _fail(where, "[file, line, function]", row)
+        sites.append(
+            Site(
+                _str(row[0], where + " file"),
+                _int(row[1], where + " line"),
+                _str(row[2], where + " function"),
+            )
+        )
+
+    def site(value: Any, where: str) -> Site | None:
+        if value is None:
+            return None
+        if type(value) is not int or not 0 <= value < len(sites):
+            raise _fail(where, f"a site number below {len(sites)} or null", value)
+        return sites[value]
+
+    # the layout the file says it used: /1 had no inputs column, /2 writers may omit it too
+    if data["schema"] == SCHEMA:
+        columns = OP_COLUMNS
+    else:
+        columns = data.get("op_columns", OP_COLUMNS if data["schema"] == SCHEMA_V2 else OP_COLUMNS_V1)
+    if columns not in (OP_COLUMNS, OP_COLUMNS_V1):
+        raise _fail("op_columns", f"{OP_COLUMNS} or {OP_COLUMNS_V1}", columns)
+
+    def op_from_row(row: Any, where: str) -> OpCall:
+        if not isinstance(row, list) or len(row) != len(columns):
+            raise _fail(where, "[" + ", ".join(columns) + "]", row)
+        seq, tick, op, phase, site_index, node, module, *rest = row
+        inputs = (
+            tuple(_int(i, f"{where} inputs[{j}]") for j, i in enumerate(_list(rest[0], where + " inputs")))
+            if rest
+            else ()
+        )
+        return OpCall(
+            _int(seq, where + " seq"),
+            _int(tick, where + " tick"),
+            _str(op, where + " op"),
+            _phase(phase, where + " phase"),
+            site(site_index, where + " site"),
+            _optional(_str, node, where + " node"),
+            _optional(_str, module, where + " module"),
+            inputs,
+        )
+
+    if data["schema"] == SCHEMA:
+        from memtrim.trace import columns as column_layout
+
+        ops, allocations = column_layout.read(data, sites, _fail, _field)
+    else:
+        ops, allocations = _rows_v2(data, sites, site, columns, op_from_row, fast)
     cuda = get("cuda_max_allocated")
     if not isinstance(cuda, dict):
         raise _fail("cuda_max_allocated", "an object", cuda)

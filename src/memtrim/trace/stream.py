@@ -1,10 +1,10 @@
-"""Saving a trace in bounded memory: the same ``memtrim.trace/2`` JSON that :func:`~memtrim.trace.load`
+"""Saving a trace in bounded memory: the same ``memtrim.trace/3`` JSON that :func:`~memtrim.trace.load`
 reads, written to the file piece by piece instead of built whole in memory first.
 
-:func:`~memtrim.trace.serialize.dumps` makes every op row and allocation object, then one string of the
-whole file (4000 steps, 380k ops: 895 MiB above the trace itself, for an 83 MiB file). Here each op
-row and each allocation is encoded in chunks of :data:`CHUNK` and written at once, one per line, so
-saving costs the site table and one chunk at a time; the file is written atomically, with the
+:func:`~memtrim.trace.serialize.dumps` builds every column, then one string of the whole file. Here
+each column (:mod:`memtrim.trace.columns`) is encoded in chunks of :data:`CHUNK` values and written at
+once, one column per line, and the string, shape and site tables (filled as the columns are written)
+come last, so saving costs the tables and one chunk at a time; the file is written atomically, with the
 permissions ``open()`` would give it, like :func:`~memtrim.trace.save`.
 """
 
@@ -14,21 +14,16 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
+from memtrim.trace import columns
 from memtrim.trace.collector import collector_paused
-from memtrim.trace.model import SCHEMA, Phase, Site, TraceLog
-from memtrim.trace.serialize import (
-    OP_COLUMNS,
-    _site_table,
-    allocation_data,
-    atomic_file,
-    failed_op_data,
-    scalars_data,
-)
+from memtrim.trace.model import SCHEMA, Phase, TraceLog
+from memtrim.trace.serialize import atomic_file, failed_op_data, scalars_data
 
-CHUNK = 4096
-"""Rows encoded at a time."""
+CHUNK = 65536
+"""Values (of a column; rows of the small tables) encoded at a time."""
 
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(", ", ": "))
+_compact = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
 _encode = _ENCODER.encode
 
 
@@ -92,17 +87,7 @@ def _rows(handle: IO[str], rows: Iterable[Any]) -> None:
 def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = None) -> None:
     """Write ``{schema, <summary>, <raw log>}`` to ``handle`` as :func:`~memtrim.trace.dumps` would
     (same keys, same order, same values)."""
-    sites, index = _site_table(log)
-    # Sites are shared objects (the recorder keeps one per frame and line): look them up by identity
-    # first, which skips hashing the dataclass; an equal but distinct object falls back to equality.
-    by_identity = {id(site): number for site, number in index.items()}
-
-    def ref(site: Site | None) -> int | None:
-        if site is None:
-            return None
-        number = by_identity.get(id(site))
-        return index[site] if number is None else number
-
+    tables = columns.Tables()
     head: dict[str, Any] = {"schema": SCHEMA, **(summary or {})}
     head.update(
         fake=log.fake,
@@ -115,24 +100,32 @@ def write(log: TraceLog, handle: IO[str], summary: Mapping[str, Any] | None = No
     handle.write("{")
     for i, (key, value) in enumerate(head.items()):
         handle.write(("\n" if i == 0 else ",\n") + f"{_value(key)}: {_value(value)}")
-    handle.write(',\n"sites": ')
-    _rows(handle, ([s.file, s.line, s.function] for s in sites))
-    handle.write(f',\n"op_columns": {_value(OP_COLUMNS)},\n"ops": ')
-    # op_row_data's row as a tuple, the phase as its str-enum member: both encode to the same JSON
-    _rows(
-        handle,
-        (
-            (seq, tick, op, phase, ref(site), node, module, inputs)
-            for seq, (tick, op, phase, site, node, module, inputs) in enumerate(log.ops.rows)
-        ),
-    )
-    handle.write(f',\n"failed_op": {_value(failed_op_data(log, ref))},\n"allocations": ')
-    _rows(handle, (allocation_data(a, ref) for a in log.allocations))
+    _section(handle, "ops", len(log.ops), columns.op_columns(log, tables))
+    failed = failed_op_data(log, lambda site: tables.site([site])[0])
+    handle.write(f',\n"failed_op": {_value(failed)}')
+    _section(handle, "allocations", len(log.allocations), columns.allocation_columns(log, tables))
     handle.write(',\n"regions": ')
     _rows(handle, ([r.name, r.start_tick, r.end_tick] for r in log.regions))
     handle.write(',\n"scalars": ')
     _rows(handle, scalars_data(log))
+    # the tables last: filled while the columns were written
+    handle.write(',\n"sites": ')
+    _rows(handle, ([s.file, s.line, s.function] for s in tables.sites))
+    handle.write(f',\n"strings": {_value(tables.strings)},\n"shapes": {_compact(tables.shapes)}')
     handle.write("\n}\n")
+
+
+def _section(handle: IO[str], name: str, count: int, fields: list[columns.Column]) -> None:
+    """``"name": {"count": N, "field": [...], ...}``, one column per line, encoded a chunk at a time."""
+    handle.write(f',\n{_value(name)}: {{"count": {count}')
+    for column in fields:
+        handle.write(f",\n {_value(column[0])}: [")
+        first = True
+        for chunk in columns.column_chunks(column, CHUNK):
+            handle.write(_compact(chunk)[1:-1] if first else "," + _compact(chunk)[1:-1])
+            first = False
+        handle.write("]")
+    handle.write("}")
 
 
 def save(log: TraceLog, path: str, summary: Mapping[str, Any] | None = None) -> None:
