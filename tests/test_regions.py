@@ -105,15 +105,16 @@ def test_run_region_records_only_inside_the_region(tmp_path: Path) -> None:
     assert [r[0] for r in data["regions"]] == ["step"]
     # what the region still held when it ended is output (the script keeps x and y)
     assert data["breakdown_at_peak"]["output"] == 2 * mib
-    assert all(a["bytes"] != 4 * mib or a["preexisting"] for a in data["allocations"])
+    saved = memtrim.load(str(tmp_path / "t.json")).allocations
+    assert all(a.bytes != 4 * mib or a.preexisting for a in saved)
 
 
 def test_run_region_entered_several_times_reports_the_highest(tmp_path: Path) -> None:
     done = _run(tmp_path, "-o", "t.json", "--region", "step", steps=3, scratch=262144)
     assert done.returncode == 0, done.stderr
     assert "Region 'step' was entered 3 times; this report is entry 3" in done.stdout
-    data = json.loads((tmp_path / "t.json").read_text())
-    largest = max(a["bytes"] for a in data["allocations"] if not a["preexisting"])
+    saved = memtrim.load(str(tmp_path / "t.json")).allocations
+    largest = max(a.bytes for a in saved if not a.preexisting)
     assert largest == 3 * 262144 * 4
 
 
@@ -197,7 +198,8 @@ def test_run_region_entry_picks_another_entry(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["metadata"]["region_entries"]["chosen"] == 1
-    assert max(a["bytes"] for a in data["allocations"] if not a["preexisting"]) == 262144 * 4
+    saved = memtrim.load(str(tmp_path / "t.json")).allocations
+    assert max(a.bytes for a in saved if not a.preexisting) == 262144 * 4
     assert "this report is entry 1 (as asked)" in done.stdout
     late = _run(tmp_path, "-o", "t.json", "--region", "step", "--entry", "7", steps=3, scratch=262144)
     assert late.returncode == 0 and "--entry 7: the region 'step' was entered 3 time(s)" in late.stderr
