@@ -86,6 +86,33 @@ def test_storage_resize_frees_and_allocates_like_fsdp() -> None:
     assert trace.peak_bytes == (1 << 20) + 8 * 512 * 4
 
 
+def test_parameters_from_before_the_region_are_their_storages() -> None:
+    """Parameters first seen as inputs take the recorder's fast path: each is one pre-existing row of
+    its storage's bytes; one whose storage was resized to nothing (FSDP2's freed unsharded
+    parameter), a zero-size one and a meta one hold no memory and get no row."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import free_storage
+
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    bias = torch.nn.Parameter(torch.randn(64))
+    freed = torch.nn.Parameter(torch.randn(256))
+    free_storage(freed)
+    empty = torch.nn.Parameter(torch.randn(0))
+    meta = torch.nn.Parameter(torch.empty(1 << 20, device="meta"))
+    x = torch.randn(8, 32)
+
+    def program() -> None:
+        y = torch.nn.functional.linear(x, weight, bias)
+        z = (freed.view(16, 16), empty.sum(), meta.sum(), y.sum())  # (the freed one is not read)
+        del y, z
+
+    trace = agrees(program)
+    before = sorted((a.bytes, a.shape) for a in trace.allocations if a.preexisting)
+    expected = [(64 * 4, (64,)), (8 * 32 * 4, (8, 32)), (64 * 32 * 4, (64, 32))]
+    assert before == sorted(expected)
+    roles = {a.shape: a.facts for a in trace.allocations if a.preexisting}
+    assert "parameter" in {str(f) for f in roles[(64, 32)]} and "parameter" in {str(f) for f in roles[(64,)]}
+
+
 def test_sparse_coo_storages_are_its_indices_and_values() -> None:
     indices = torch.randint(0, 1000, (2, 10_000))
     values = torch.randn(10_000)

@@ -48,6 +48,7 @@ from memtrim.trace.model import (
 )
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
 _current_graph_task_id = torch._C._current_graph_task_id
@@ -499,7 +500,12 @@ class Recorder(DetachableMode):
     def _watch_preexisting(self, t: torch.Tensor, storage: Any) -> list[int]:
         """Watch an input's storage not seen before as one from before the region; the rows of what
         holds its memory (its parts for a subclass or nested tensor, none for a meta tensor)."""
-        if type(t) is not _Tensor or t.is_meta or t.is_nested:
+        kind = type(t)
+        if kind is _Parameter and not t.is_meta and not t.is_nested and storages.holds_data(storage):
+            # a parameter of a plain tensor, as most are: its storage is its memory (every parameter
+            # comes here once per region, so it skips storages.parts' general search)
+            return [self._watch_one_preexisting(t, storage).index]
+        if kind is not _Tensor or t.is_meta or t.is_nested:
             # a parameter, a subclass (a DTensor parameter is of type DTensor), meta, nested: what
             # holds its memory (an FSDP parameter's storage may be resized to nothing)
             if storage._cdata in self._no_memory:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 
+from memtrim.trace import columns as column_layout
 from memtrim.trace.collector import collector_paused
 from memtrim.trace.invariants import check_invariants
 from memtrim.trace.model import SCHEMA, Allocation, Fact, OpCall, OpLog, OpRow, Phase, Region, Site, TraceLog
@@ -93,28 +94,33 @@ def failed_op_data(log: TraceLog, ref: Callable[[Site | None], int | None]) -> l
     )
 
 
-def log_to_dict(log: TraceLog) -> dict[str, Any]:
-    """The raw event log as plain JSON data, in the ``memtrim.trace/3`` layout
-    (:mod:`memtrim.trace.columns`)."""
-    from memtrim.trace import columns
-
-    tables = columns.Tables()
-
-    def written(column: columns.Column) -> list[Any]:
-        return [value for chunk in columns.column_chunks(column, 1 << 62) for value in chunk]
-
-    ops = {"count": len(log.ops), **{c[0]: written(c) for c in columns.op_columns(log, tables)}}
-    failed_op = failed_op_data(log, lambda site: tables.site([site])[0])
-    allocations: dict[str, Any] = {"count": len(log.allocations)}
-    allocations.update({c[0]: written(c) for c in columns.allocation_columns(log, tables)})
+def _header(log: TraceLog, schema: str) -> dict[str, Any]:
+    """The fields every layout of the file starts with."""
     return {
-        "schema": SCHEMA,
+        "schema": schema,
         "fake": log.fake,
         "finished": log.finished,
         "error": log.error,
         "cuda_max_allocated": log.cuda_max_allocated,
         "metadata": log.metadata,
         "end_tick": log.end_tick,
+    }
+
+
+def log_to_dict(log: TraceLog) -> dict[str, Any]:
+    """The raw event log as plain JSON data, in the ``memtrim.trace/3`` layout
+    (:mod:`memtrim.trace.columns`)."""
+    tables = column_layout.Tables()
+
+    def written(column: column_layout.Column) -> list[Any]:
+        return [value for chunk in column_layout.column_chunks(column, 1 << 62) for value in chunk]
+
+    ops = {"count": len(log.ops), **{c[0]: written(c) for c in column_layout.op_columns(log, tables)}}
+    failed_op = failed_op_data(log, lambda site: tables.site([site])[0])
+    allocations: dict[str, Any] = {"count": len(log.allocations)}
+    allocations.update({c[0]: written(c) for c in column_layout.allocation_columns(log, tables)})
+    return {
+        **_header(log, SCHEMA),
         "ops": ops,
         "failed_op": failed_op,
         "allocations": allocations,
@@ -136,13 +142,7 @@ def log_to_dict_v2(log: TraceLog) -> dict[str, Any]:
         return None if site is None else index[site]
 
     return {
-        "schema": SCHEMA_V2,
-        "fake": log.fake,
-        "finished": log.finished,
-        "error": log.error,
-        "cuda_max_allocated": log.cuda_max_allocated,
-        "metadata": log.metadata,
-        "end_tick": log.end_tick,
+        **_header(log, SCHEMA_V2),
         "sites": [[s.file, s.line, s.function] for s in sites],
         "op_columns": OP_COLUMNS,
         "ops": [op_row_data(seq, row, ref) for seq, row in enumerate(log.ops.rows)],
@@ -267,26 +267,8 @@ def _fast_op_reader(sites: list[Site], width: int) -> Callable[[Any], OpRow | No
     return read
 
 
-_ALLOCATION_FIELDS = frozenset(
-    [
-        "id",
-        "bytes",
-        "dtype",
-        "shape",
-        "device",
-        "op",
-        "phase",
-        "alloc_tick",
-        "free_tick",
-        "free_phase",
-        "site",
-        "call_site",
-        "node",
-        "module",
-        "saved",
-        "preexisting",
-    ]
-)
+# the keys every /2 allocation object has: its id, and the /3 columns but for the facts it may omit
+_ALLOCATION_FIELDS = frozenset({"id", *column_layout.ALLOCATION_FIELDS} - {"facts"})
 
 
 def _fast_allocation_reader(sites: list[Site]) -> Callable[[Any, int], Allocation | None]:
@@ -486,8 +468,6 @@ def log_from_dict(data: Any, *, fast: bool = True) -> TraceLog:
         )
 
     if data["schema"] == SCHEMA:
-        from memtrim.trace import columns as column_layout
-
         ops, allocations = column_layout.read(data, sites, _fail, _field)
     else:
         ops, allocations = _rows_v2(data, sites, site, columns, op_from_row, fast)
