@@ -248,3 +248,39 @@ def test_two_optimizers_over_one_parameter_without_state_are_both_left_as_built(
         model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())  # no step freed them in backward
     assert not first.state and not second.state
+
+
+class _InPlaceZeroingSGD(torch.optim.SGD):
+    """An optimizer library's zero_grad of its own, which zeroes in place without reaching the base
+    class's."""
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
+def test_set_to_none_reaches_an_optimizer_subclass_with_its_own_zero_grad() -> None:
+    reference, model = _model(), _model()
+    _loop(reference, _InPlaceZeroingSGD(reference.parameters(), lr=0.1), zero="before")()
+    plan, predicted = _plan_of(
+        "zero-grad-to-none", _loop(model, _InPlaceZeroingSGD(model.parameters(), lr=0.1), zero="before")
+    )
+    fresh = _model()
+    optimizer = _InPlaceZeroingSGD(fresh.parameters(), lr=0.1)
+    measured = _measured(plan, _loop(fresh, optimizer, zero="before"))
+    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(reference), _parameters(fresh), strict=True))
+    with applied(plan):
+        fresh(torch.randn(2, 256)).sum().backward()
+        optimizer.zero_grad(set_to_none=False)
+        assert all(p.grad is None for p in fresh.parameters())
+    fresh(torch.randn(2, 256)).sum().backward()
+    optimizer.zero_grad(set_to_none=False)  # undone: its own zero_grad zeroes in place again
+    assert all(p.grad is not None for p in fresh.parameters())
+    assert _InPlaceZeroingSGD.__dict__["zero_grad"].__qualname__ == "_InPlaceZeroingSGD.zero_grad"

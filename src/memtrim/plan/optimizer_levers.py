@@ -20,6 +20,7 @@ Each is predicted by its finding's what-if; the optimizer-step levers cost no FL
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -191,17 +192,47 @@ def _to_none_code(uses: Uses) -> str:
     return "optimizer.zero_grad(set_to_none=True)  # the default; in place of set_to_none=False"
 
 
+_BASES: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
+
+
+def _zero_grad_owners() -> list[type]:
+    """``Optimizer``, ``Module`` and every subclass defined so far that has a ``zero_grad`` of its own
+    taking ``set_to_none`` (an optimizer library's that zeroes in place itself, never reaching the base
+    class's): each is made to set gradients to None. One whose ``zero_grad`` takes no ``set_to_none``
+    is left alone; the plan's re-measurement then shows the saving missing."""
+    owners: list[type] = []
+    seen: set[type] = set()
+    todo: list[type] = list(_BASES)
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        own = cls.__dict__.get("zero_grad")
+        if cls in _BASES or (inspect.isfunction(own) and _takes_set_to_none(own)):
+            owners.append(cls)
+    return owners
+
+
+def _takes_set_to_none(function: Any) -> bool:
+    try:
+        return "set_to_none" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or an object without a signature
+        return False
+
+
 def _to_none_install(uses: Uses) -> Undo:
     stack = contextlib.ExitStack()
     whens = {u.get("when") for u in uses}
     if "zero_grad" in whens:
-        for owner in (torch.optim.Optimizer, torch.nn.Module):
-            original = owner.zero_grad
+        for owner in _zero_grad_owners():
+            original = owner.__dict__["zero_grad"]  # the class's own, restored as it was
 
             def zero_grad(self: Any, set_to_none: bool = True, _original: Any = original) -> None:
                 _original(self, set_to_none=True)
 
-            owner.zero_grad = zero_grad  # type: ignore[method-assign]
+            owner.zero_grad = zero_grad  # type: ignore[attr-defined]
             stack.callback(setattr, owner, "zero_grad", original)
     if "after-step" in whens:
 
