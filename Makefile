@@ -51,6 +51,7 @@ test: lint typecheck unit verify-paths
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/recorder_cost.py
 	$(BIN)/python bench/heads.py
 	$(BIN)/python bench/gsq.py
 	$(BIN)/python bench/verify.py
