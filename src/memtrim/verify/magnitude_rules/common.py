@@ -37,7 +37,12 @@ def prop(d: Any, e: Any) -> Any:
         return 0.0 if e == 0.0 else d * e
     if not isinstance(d, torch.Tensor):
         return e * abs(d) if d != 0 else torch.zeros_like(e)
-    return (d.abs() * e).masked_fill_((e == 0) | (d == 0), 0.0)
+    zero = (e == 0) | (d == 0)
+    ad = d.abs()
+    # |d| * e in |d|'s new tensor where it has the result's shape and dtype (the same products)
+    if ad.shape == zero.shape and ad.dtype == torch.result_type(ad, e):
+        return ad.mul_(e).masked_fill_(zero, 0.0)
+    return (ad * e).masked_fill_(zero, 0.0)
 
 
 def product(a: Any, b: Any, op: Callable[..., torch.Tensor]) -> Any:

@@ -70,7 +70,7 @@ def _function(name: str, derivative: Derivative) -> Callable[..., Any]:
         yv = tr.value(out)
         size = yv.abs().clamp_min(1.0) if absolute else yv.abs()
         e = prop(derivative(xv, yv), e_in) + 2.0 * ulps * tr.u_acc * size
-        tr.set(out, s=yv.abs(), e=e)
+        tr.set(out, s=yv.abs(), e=e, owned=True)
         return out
 
     rule.__name__ = rule.__qualname__ = f"_{name}"
@@ -106,7 +106,7 @@ def _pow(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     yv = tr.value(out)
     own = 2.0 * FUNCTION_ULPS["pow"] * tr.u_acc * yv.abs()
     if not isinstance(base, torch.Tensor):  # b ** x
-        tr.set(out, s=yv.abs(), e=prop(yv * math.log(abs(float(base))), tr.e(exponent)) + own)
+        tr.set(out, s=yv.abs(), e=prop(yv * math.log(abs(float(base))), tr.e(exponent)) + own, owned=True)
         return out
     if not isinstance(exponent, torch.Tensor):
         p = float(exponent)
@@ -120,14 +120,14 @@ def _pow(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         if p == int(p) and p > 0:
             # x**k as k-1 multiplications of magnitudes: S**k, and k * S**(k-1) * E to first order.
             own = 0.0 if p == 2 else 2.0 * FUNCTION_ULPS["pow"] * tr.u_acc * sb**p
-            tr.set(out, s=sb**p, e=prop(p * sb ** (p - 1), tr.e(base)) + own)
+            tr.set(out, s=sb**p, e=prop(p * sb ** (p - 1), tr.e(base)) + own, owned=True)
             return out
         d = abs(p) * tr.value(base).abs() ** (p - 1)
-        tr.set(out, s=yv.abs(), e=prop(d, tr.e(base)) + own)
+        tr.set(out, s=yv.abs(), e=prop(d, tr.e(base)) + own, owned=True)
         return out
     xv, pv = tr.value(base), tr.value(exponent)
     e = prop(pv * xv.abs() ** (pv - 1), tr.e(base)) + prop(yv * xv.abs().log(), tr.e(exponent))
-    tr.set(out, s=yv.abs(), e=e + own)
+    tr.set(out, s=yv.abs(), e=e + own, owned=True)
     return out
 
 
