@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, product, prop, select3, sub
+from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, plus, product, prop, select3, sub
 from memtrim.verify.magnitudes import Tracer, register_magnitude_rule
 
 
@@ -133,7 +133,7 @@ def _mul(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     a, b = args[0], args[1]
     out = func(*args, **kwargs)
     sa, sb = tr.s(a), tr.s(b)
-    tr.set(out, s=sa * sb, e=prop(sb, tr.e(a)) + prop(sa, tr.e(b)), owned=True)
+    tr.set(out, s=sa * sb, e=plus(prop(sb, tr.e(a)), prop(sa, tr.e(b))), owned=True)
     return out
 
 
@@ -146,7 +146,7 @@ def _div(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     bv = tr.value(b)
     inv = 1.0 / bv.abs() if isinstance(bv, torch.Tensor) else 1.0 / abs(bv)
     sa = tr.s(a)
-    e = prop(inv, tr.e(a)) + prop(sa * inv * inv, tr.e(b))
+    e = plus(prop(inv, tr.e(a)), prop(sa * inv * inv, tr.e(b)))
     tr.set(out, s=sa * inv, e=e, owned=True)
     return out
 
@@ -188,7 +188,7 @@ def _sum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     s = func(tr.s(x), *args[1:], **kw)
     e = tr.e(x)
     e = func(e, *args[1:], **kw) if isinstance(e, torch.Tensor) else 0.0
-    tr.set(out, s=s, e=e + tr.accumulation(_reduced(x, out)) * s, owned=True)
+    tr.set(out, s=s, e=plus(tr.accumulation(_reduced(x, out)) * s, e), owned=True)
     return out
 
 
@@ -200,7 +200,7 @@ def _cumsum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     e = tr.e(x)
     e = torch.cumsum(e, dim) if isinstance(e, torch.Tensor) else 0.0
     n = torch.cumsum(torch.ones_like(s), dim)
-    tr.set(out, s=s, e=e + tr.accumulation(n) * s, owned=True)
+    tr.set(out, s=s, e=plus(tr.accumulation(n) * s, e), owned=True)
     return out
 
 
@@ -210,8 +210,8 @@ def _product(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     sa, sb = tr.s(a), tr.s(b)
     s = func(sa, sb)
-    e = product(tr.e(a), sb, func) + product(sa, tr.e(b), func)
-    tr.set(out, s=s, e=e + tr.accumulation(a.shape[-1]) * s, owned=True)
+    e = plus(product(tr.e(a), sb, func), product(sa, tr.e(b), func))
+    tr.set(out, s=s, e=plus(tr.accumulation(a.shape[-1]) * s, e), owned=True)
     return out
 
 
@@ -240,7 +240,7 @@ def _add_product(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         e = e + tr.u * s + beta * tr.e(c)
         s = s + beta * tr.s(c)
         k += 1
-    tr.set(out, s=s, e=e + tr.accumulation(k) * s, owned=True)
+    tr.set(out, s=s, e=plus(tr.accumulation(k) * s, e), owned=True)
     return out
 
 
@@ -258,5 +258,5 @@ def _scatter_sum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     s = run(lambda t: tr.s(t), alpha)
     e = run(lambda t: torch.zeros(t.shape, dtype=torch.float64, device=t.device) + tr.e(t), alpha)
     n = run(lambda t: torch.ones(t.shape, dtype=torch.float64, device=t.device), 1.0)
-    tr.set(out, s=s, e=e + tr.accumulation(n) * s, owned=True)
+    tr.set(out, s=s, e=plus(tr.accumulation(n) * s, e), owned=True)
     return out

@@ -45,6 +45,19 @@ def prop(d: Any, e: Any) -> Any:
     return (ad * e).masked_fill_(zero, 0.0)
 
 
+def plus(a: Any, b: Any) -> Any:
+    """``a + b``, written into ``a`` where ``a`` is a new tensor of the caller's (one it neither keeps nor
+    reads again) with the sum's shape and dtype: the same sums, one case-sized temporary fewer."""
+    if (
+        isinstance(a, torch.Tensor)
+        and not a.requires_grad
+        and a.shape == torch.broadcast_shapes(a.shape, b.shape if isinstance(b, torch.Tensor) else ())
+        and a.dtype == torch.result_type(a, b)
+    ):
+        return a.add_(b)
+    return a + b
+
+
 def product(a: Any, b: Any, op: Callable[..., torch.Tensor]) -> Any:
     """``op(a, b)`` where either may be the number 0."""
     if isinstance(a, float) or isinstance(b, float):

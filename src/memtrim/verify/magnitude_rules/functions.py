@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from memtrim.registry import Registry
-from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, prop
+from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, plus, prop
 from memtrim.verify.magnitudes import Tracer, register_magnitude_rule
 
 FUNCTION_ULPS: Registry[str, float] = Registry(
@@ -69,7 +69,9 @@ def _function(name: str, derivative: Derivative) -> Callable[..., Any]:
         out = func(*args, **kwargs)
         yv = tr.value(out)
         size = yv.abs().clamp_min(1.0) if absolute else yv.abs()
-        e = prop(derivative(xv, yv), e_in) + 2.0 * ulps * tr.u_acc * size
+        own = size.mul_(2.0 * ulps * tr.u_acc)  # the function's own error, in size's new tensor
+        e = plus(prop(derivative(xv, yv), e_in), own)
+        del size, own, e_in
         tr.set(out, s=yv.abs(), e=e, owned=True)
         return out
 
@@ -126,8 +128,8 @@ def _pow(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         tr.set(out, s=yv.abs(), e=prop(d, tr.e(base)) + own, owned=True)
         return out
     xv, pv = tr.value(base), tr.value(exponent)
-    e = prop(pv * xv.abs() ** (pv - 1), tr.e(base)) + prop(yv * xv.abs().log(), tr.e(exponent))
-    tr.set(out, s=yv.abs(), e=e + own, owned=True)
+    e = plus(prop(pv * xv.abs() ** (pv - 1), tr.e(base)), prop(yv * xv.abs().log(), tr.e(exponent)))
+    tr.set(out, s=yv.abs(), e=plus(e, own), owned=True)
     return out
 
 
