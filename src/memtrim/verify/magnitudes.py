@@ -152,8 +152,7 @@ class Tracer:
             torch.where(q, total, e, out=total)
         # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
         # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
-        # (isinf makes a temporary the size of x: looked for piece by piece first)
-        if any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape)):
+        if _has_inf(x):
             total.masked_fill_(torch.isinf(x), 0.0)
         return total
 
@@ -253,6 +252,17 @@ class Tracer:
         """Run ``fn`` (a decomposition) with this tracer on, so each of its steps is traced."""
         with self.mode:
             return fn(*args, **kwargs)
+
+
+def _has_inf(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds an infinity: its largest and smallest elements (two passes, no temporary),
+    or where a NaN hides them, piece by piece (``isinf`` makes a temporary the size of x)."""
+    if x.numel() == 0:
+        return False
+    top, bottom = float(x.amax()), float(x.amin())
+    if not (math.isnan(top) or math.isnan(bottom)):
+        return math.isinf(top) or math.isinf(bottom)
+    return any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape))
 
 
 def _is_float(t: Any) -> bool:
