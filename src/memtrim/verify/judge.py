@@ -406,8 +406,8 @@ def _oracle(
     st: Settings, cache: OracleCache, case: Case, inputs: CaseInputs, canon: Upstream, *, early: bool = True
 ) -> Oracle | None:
     """The case's oracle (from ``cache`` where another case made it). ``early``: made before the
-    candidate runs, so None where the case's dtype has no rounding rule (the judgement then raises
-    :class:`NoRoundingRule` where it always did, after the candidate's checks)."""
+    candidate runs, so None where the case's dtype has no rounding rule or making it raised (the
+    judgement then makes it again and raises where it always did, after the candidate's checks)."""
     try:
         rounding = rounding_for(case.dtype or torch.get_default_dtype(), autocast=case.autocast)
     except NoRoundingRule:
@@ -427,7 +427,12 @@ def _oracle(
             reduction_length=st.reduction_length,
         )
 
-    return cache.get(oracle_key(case), case.layout, make)
+    if not early:
+        return cache.get(oracle_key(case), case.layout, make)
+    try:
+        return cache.get(oracle_key(case), case.layout, make)
+    except Exception:  # raised where it always was: after the candidate's checks, by the late call
+        return None
 
 
 def _get(r: RunResult | None, field_: str, idx: int, like: torch.Tensor) -> torch.Tensor:
