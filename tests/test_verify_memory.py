@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from groundtruth import ProfiledMemory, profiler_memory
+from groundtruth import ProfiledMemory, _allocation_events, profiler_memory
+from torch.profiler import ProfilerActivity, profile
 
 from memtrim.verify.budget import rounding_for
 from memtrim.verify.cases import Case, build_inputs
 from memtrim.verify.chunks import CHUNK_ELEMENTS
 from memtrim.verify.compare import BudgetInputs, compare_reference
+from memtrim.verify.magnitude_rules.common import plus
+from memtrim.verify.magnitudes import Tracer
 from memtrim.verify.oracle import Oracle, Upstream, run_oracle
 
 F64 = 8
@@ -103,3 +106,68 @@ def test_oracle_keeps_only_its_results_and_their_shadows() -> None:
     assert held == 6 * x.numel() * F64
     upstream = x.numel() * F64  # the float64 copy of the upstream gradient the oracle was given
     assert _unfreed_bytes(truth) <= held + upstream + 4096
+
+
+def _peak_bytes(prof: Any) -> int:
+    """The peak of every CPU allocation in ``prof``, those made and freed inside one op included (a
+    magnitude rule's temporaries live inside the op it traces)."""
+    live = best = 0
+    for _, _, delta, _ in _allocation_events(prof):
+        live += delta
+        best = max(best, live)
+    return best
+
+
+def test_tracer_keeps_the_shadows_a_rule_made_instead_of_copying_them() -> None:
+    # One traced product of a traced intermediate: its value, S and E are three float64 tensors the size
+    # of x. The rule's own S and E become the shadows (no copies), and its error terms are summed in the
+    # first term's tensor, so at most the value, S, E and the two error terms are alive at once.
+    x = torch.randn(256, 512, dtype=torch.float64)
+    tracer = Tracer(rounding_for(torch.float32))
+    with tracer.mode:
+        y = x.exp()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracer.mode:
+        z = y * x
+    size = x.numel() * F64
+    assert _peak_bytes(prof) <= 5 * size + size // 2  # the bool masks of the zero terms: 1/8 each
+    s, e = tracer.final(z, copy=False)
+    assert s.untyped_storage().data_ptr() != e.untyped_storage().data_ptr()
+    assert torch.equal(s, y.abs() * x.abs())
+
+
+def test_set_owned_adopts_only_a_new_tensor_laid_out_as_the_output() -> None:
+    tracer = Tracer(rounding_for(torch.float32))
+    out = torch.randn(4, 6, dtype=torch.float64)
+    s = torch.rand(4, 6, dtype=torch.float64)
+    e = torch.rand(4, 6, dtype=torch.float64)
+    tracer.set(out, s=s, e=e, owned=True)
+    fs, fe = tracer.final(out, copy=False)
+    assert fs.data_ptr() == s.data_ptr() and fe.data_ptr() == e.data_ptr()
+    # a view (of another tensor's memory), another layout, the output itself or one tensor for both: copied
+    for make in (
+        lambda o: (torch.rand(8, 6, dtype=torch.float64)[:4], torch.rand(4, 6, dtype=torch.float64)),
+        lambda o: (torch.rand(6, 4, dtype=torch.float64).T, torch.rand(4, 6, dtype=torch.float64)),
+        lambda o: (o, torch.rand(4, 6, dtype=torch.float64)),
+    ):
+        out = torch.randn(4, 6, dtype=torch.float64)
+        s, e = make(out)
+        tracer.set(out, s=s, e=e, owned=True)
+        fs, _ = tracer.final(out, copy=False)
+        assert fs.data_ptr() != s.data_ptr() and torch.equal(fs, s)
+    out = torch.randn(4, 6, dtype=torch.float64)
+    both = torch.rand(4, 6, dtype=torch.float64)
+    tracer.set(out, s=both, e=both, owned=True)
+    fs, fe = tracer.final(out, copy=False)
+    assert fs.data_ptr() != fe.data_ptr() and torch.equal(fs, fe)
+
+
+def test_plus_adds_into_its_first_term_where_that_has_the_sum_shape() -> None:
+    a, b = torch.rand(4, 6, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    want = a + b
+    got = plus(a, b)
+    assert got is a and torch.equal(got, want)
+    small = torch.rand(6, dtype=torch.float64)
+    big = torch.rand(4, 6, dtype=torch.float64)
+    got = plus(small, big)
+    assert got is not small and torch.equal(got, small + big) and plus(0.0, 0.0) == 0.0

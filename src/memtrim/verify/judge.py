@@ -148,6 +148,10 @@ def _run_case(
             )
             return
 
+    # In reference mode every case needs the oracle: made before the candidate runs, so that the
+    # oracle's trace (its intermediates and their shadows) and the candidate's results are never alive
+    # together. (In auto mode it is made only where the results are not bit-exact, after the candidate.)
+    oracle = _oracle(st, cache, case, inputs, canon) if st.mode == "reference" else None
     leaves_c, guards_c = inputs.materialize()
     cand = run_callable(
         st.candidate,
@@ -210,7 +214,7 @@ def _run_case(
                 )
         res.held = "exact" if all(q.passed for q in exact_qs) else None
         return
-    _judge_reference(st, cache, case, inputs, canon, orig, pairs, res, fail)
+    _judge_reference(st, cache, case, inputs, canon, orig, pairs, res, fail, oracle)
 
 
 def _side_effects(
@@ -356,22 +360,12 @@ def _judge_reference(
     pairs: list[tuple[str, QuantityKind, torch.Tensor, torch.Tensor, tuple[str, int]]],
     res: CaseResult,
     fail: Callable[..., None],
+    oracle: Oracle | None = None,
 ) -> None:
-    rounding = rounding_for(case.dtype or torch.get_default_dtype(), autocast=case.autocast)
-
-    def make() -> Oracle:
-        return run_oracle(
-            st.reference,
-            inputs,
-            canon,
-            st.oracle_device,
-            rounding,
-            c=st.c,
-            abs_reference=st.abs_reference,
-            reduction_length=st.reduction_length,
-        )
-
-    oracle = cache.get(oracle_key(case), case.layout, make)
+    """``oracle``: the case's oracle where it was made already (:func:`_oracle`)."""
+    if oracle is None:
+        oracle = _oracle(st, cache, case, inputs, canon, early=False)
+    assert oracle is not None
     if oracle.run.error is not None:
         fail(
             "oracle",
@@ -406,6 +400,39 @@ def _judge_reference(
             fail(name, "mismatch", q.message, offending=q.offending)
     if all(q.passed for q in res.quantities):
         res.held = "reference"
+
+
+def _oracle(
+    st: Settings, cache: OracleCache, case: Case, inputs: CaseInputs, canon: Upstream, *, early: bool = True
+) -> Oracle | None:
+    """The case's oracle (from ``cache`` where another case made it). ``early``: made before the
+    candidate runs, so None where the case's dtype has no rounding rule or making it raised (the
+    judgement then makes it again and raises where it always did, after the candidate's checks)."""
+    try:
+        rounding = rounding_for(case.dtype or torch.get_default_dtype(), autocast=case.autocast)
+    except NoRoundingRule:
+        if early:
+            return None
+        raise
+
+    def make() -> Oracle:
+        return run_oracle(
+            st.reference,
+            inputs,
+            canon,
+            st.oracle_device,
+            rounding,
+            c=st.c,
+            abs_reference=st.abs_reference,
+            reduction_length=st.reduction_length,
+        )
+
+    if not early:
+        return cache.get(oracle_key(case), case.layout, make)
+    try:
+        return cache.get(oracle_key(case), case.layout, make)
+    except Exception:  # raised where it always was: after the candidate's checks, by the late call
+        return None
 
 
 def _get(r: RunResult | None, field_: str, idx: int, like: torch.Tensor) -> torch.Tensor:

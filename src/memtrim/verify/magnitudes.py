@@ -152,8 +152,7 @@ class Tracer:
             torch.where(q, total, e, out=total)
         # An infinite value (an attention mask's -inf) is exact: rounding keeps it, and inf - m is
         # -inf. Without this its error, u * inf, would reach finite results as inf * 0 = NaN.
-        # (isinf makes a temporary the size of x: looked for piece by piece first)
-        if any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape)):
+        if _has_inf(x):
             total.masked_fill_(torch.isinf(x), 0.0)
         return total
 
@@ -191,10 +190,15 @@ class Tracer:
         self._shadows = weakref.WeakKeyDictionary()
 
     # -- writing shadows ---------------------------------------------------------------------------
-    def set(self, out: torch.Tensor, *, s: Any, e: Any, rounded: Any = True) -> None:
+    def set(self, out: torch.Tensor, *, s: Any, e: Any, rounded: Any = True, owned: bool = False) -> None:
         """Set the shadows of ``out``'s elements: magnitude ``s``, error ``e`` before ``out``'s own
         rounding, and whether ``out`` was rounded to the storage dtype (True for every computed value;
-        a tensor for ops that only move values)."""
+        a tensor for ops that only move values).
+
+        ``owned=True``: ``s`` and ``e`` are new tensors the caller neither keeps nor writes again, so where
+        ``out`` gets its first shadows and each is laid out as ``out`` over the whole storage, the tracer
+        keeps them as the shadows instead of copying them (the same values, one case-sized float64 tensor
+        fewer each)."""
         if not _is_float(out) or out.numel() == 0:
             return
         if torch._debug_has_internal_overlap(out) == 1:  # an expanded view: one slot, several elements
@@ -204,9 +208,16 @@ class Tracer:
         if sh is None:
             flat = torch.empty(0, dtype=out.dtype, device=out.device).set_(storage)
             if out.numel() == flat.numel() and _dense(out):  # out writes every element
-                s0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
-                e0 = torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                kept = [_adoptable(v, out, flat.numel()) if owned else None for v in (s, e)]
+                if kept[0] is not None and kept[1] is not None and kept[0].data_ptr() == kept[1].data_ptr():
+                    kept[1] = None  # one tensor for both: copy the second
+                s0, e0 = (
+                    k if k is not None else torch.empty(flat.shape, dtype=torch.float64, device=out.device)
+                    for k in kept
+                )
                 q0 = torch.empty(flat.shape, dtype=torch.bool, device=out.device)
+                s = None if kept[0] is not None else s
+                e = None if kept[1] is not None else e
             else:  # the elements out does not write: exact values, as an input's
                 s0 = flat.to(torch.float64).abs()
                 e0 = torch.zeros(flat.shape, dtype=torch.float64, device=out.device)
@@ -216,6 +227,8 @@ class Tracer:
         elif sh.itemsize != out.element_size():
             raise NotTraceable("a dtype view", "the same bytes written as another dtype")
         for flat, value in ((sh.s, s), (sh.e, e), (sh.q, rounded)):
+            if value is None:  # adopted: already the shadow
+                continue
             view = self._view(flat, out)
             if isinstance(value, torch.Tensor):
                 view.copy_(value)
@@ -241,8 +254,39 @@ class Tracer:
             return fn(*args, **kwargs)
 
 
+def _has_inf(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds an infinity: its largest and smallest elements (two passes, no temporary),
+    or where a NaN hides them, piece by piece (``isinf`` makes a temporary the size of x)."""
+    if x.numel() == 0:
+        return False
+    top, bottom = float(x.amax()), float(x.amin())
+    if not (math.isnan(top) or math.isnan(bottom)):
+        return math.isinf(top) or math.isinf(bottom)
+    return any(bool(torch.isinf(x[index]).any()) for _, index in chunks(x.shape))
+
+
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _adoptable(v: Any, out: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``v``'s storage as a flat shadow of ``n`` float64 elements where ``v`` (a new tensor) is laid out
+    exactly as ``out`` over its whole storage (``out`` dense, from offset 0); None where it is not."""
+    if not (
+        isinstance(v, torch.Tensor)
+        and v.dtype == torch.float64
+        and v.device == out.device
+        and v._base is None
+        and not v.requires_grad
+        and v.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+        and out.storage_offset() == 0
+        and v.storage_offset() == 0
+        and v.shape == out.shape
+        and v.stride() == out.stride()
+        and v.untyped_storage().nbytes() == n * 8
+    ):
+        return None
+    return torch.empty(0, dtype=torch.float64, device=v.device).set_(v.untyped_storage())
 
 
 def _dense(t: torch.Tensor) -> bool:

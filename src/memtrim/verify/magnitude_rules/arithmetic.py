@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, product, prop, select3, sub
+from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, plus, product, prop, select3, sub
 from memtrim.verify.magnitudes import Tracer, register_magnitude_rule
 
 
@@ -25,7 +25,7 @@ def _lipschitz(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     for b in bounds:
         total = torch.maximum(total, tr.e(b) + torch.zeros_like(total))
         s = torch.maximum(s, tr.s(b))
-    tr.set(out, s=s, e=total, rounded=False)
+    tr.set(out, s=s, e=total, rounded=False, owned=True)
     return out
 
 
@@ -38,7 +38,7 @@ def _clamp_max(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
 def _pick(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     a, b = args[0], args[1]
     out = func(*args, **kwargs)
-    tr.set(out, s=torch.maximum(tr.s(a), tr.s(b)), e=_max_e(tr.e(a), tr.e(b), out), rounded=False)
+    tr.set(out, s=torch.maximum(tr.s(a), tr.s(b)), e=_max_e(tr.e(a), tr.e(b), out), rounded=False, owned=True)
     return out
 
 
@@ -52,7 +52,7 @@ def _threshold_backward(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> An
     grad, x, threshold = args[0], args[1], args[2]
     out = func(*args, **kwargs)
     s, e, q = select3(tr, x > threshold, grad, 0.0, out)
-    tr.set(out, s=s, e=e, rounded=q)
+    tr.set(out, s=s, e=e, rounded=q, owned=True)
     return out
 
 
@@ -76,7 +76,7 @@ def _extreme(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         picked_s, picked_e = s.amax(), total.amax()
     else:
         picked_s, picked_e = s.amax(dims, keepdim=keep), total.amax(dims, keepdim=keep)
-    tr.set(values, s=torch.maximum(picked_s, tr.value(values).abs()), e=picked_e, rounded=False)
+    tr.set(values, s=torch.maximum(picked_s, tr.value(values).abs()), e=picked_e, rounded=False, owned=True)
     return out
 
 
@@ -93,7 +93,9 @@ def _sort(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     else:
         dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
     s, e, q = tr.channels(x)
-    tr.set(values, s=s.gather(dim, indices), e=e.gather(dim, indices), rounded=q.gather(dim, indices))
+    tr.set(
+        values, s=s.gather(dim, indices), e=e.gather(dim, indices), rounded=q.gather(dim, indices), owned=True
+    )
     return values, indices
 
 
@@ -122,7 +124,7 @@ def _add(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     else:
         e = ea + eb
     del ea, eb
-    tr.set(out, s=tr.value(out).abs(), e=e)
+    tr.set(out, s=tr.value(out).abs(), e=e, owned=True)
     return out
 
 
@@ -131,7 +133,7 @@ def _mul(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     a, b = args[0], args[1]
     out = func(*args, **kwargs)
     sa, sb = tr.s(a), tr.s(b)
-    tr.set(out, s=sa * sb, e=prop(sb, tr.e(a)) + prop(sa, tr.e(b)))
+    tr.set(out, s=sa * sb, e=plus(prop(sb, tr.e(a)), prop(sa, tr.e(b))), owned=True)
     return out
 
 
@@ -144,8 +146,8 @@ def _div(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     bv = tr.value(b)
     inv = 1.0 / bv.abs() if isinstance(bv, torch.Tensor) else 1.0 / abs(bv)
     sa = tr.s(a)
-    e = prop(inv, tr.e(a)) + prop(sa * inv * inv, tr.e(b))
-    tr.set(out, s=sa * inv, e=e)
+    e = plus(prop(inv, tr.e(a)), prop(sa * inv * inv, tr.e(b)))
+    tr.set(out, s=sa * inv, e=e, owned=True)
     return out
 
 
@@ -156,7 +158,7 @@ def _addcmul(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     s1, s2 = tr.s(t1), tr.s(t2)
     e = tr.e(x) + v * (prop(s2, tr.e(t1)) + prop(s1, tr.e(t2)))
-    tr.set(out, s=tr.s(x) + v * s1 * s2, e=e)
+    tr.set(out, s=tr.s(x) + v * s1 * s2, e=e, owned=True)
     return out
 
 
@@ -168,7 +170,7 @@ def _addcdiv(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     inv = 1.0 / tr.value(t2).abs()
     s1 = tr.s(t1)
     e = tr.e(x) + v * (prop(inv, tr.e(t1)) + prop(s1 * inv * inv, tr.e(t2)))
-    tr.set(out, s=tr.s(x) + v * s1 * inv, e=e)
+    tr.set(out, s=tr.s(x) + v * s1 * inv, e=e, owned=True)
     return out
 
 
@@ -186,7 +188,7 @@ def _sum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     s = func(tr.s(x), *args[1:], **kw)
     e = tr.e(x)
     e = func(e, *args[1:], **kw) if isinstance(e, torch.Tensor) else 0.0
-    tr.set(out, s=s, e=e + tr.accumulation(_reduced(x, out)) * s)
+    tr.set(out, s=s, e=plus(tr.accumulation(_reduced(x, out)) * s, e), owned=True)
     return out
 
 
@@ -198,7 +200,7 @@ def _cumsum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     e = tr.e(x)
     e = torch.cumsum(e, dim) if isinstance(e, torch.Tensor) else 0.0
     n = torch.cumsum(torch.ones_like(s), dim)
-    tr.set(out, s=s, e=e + tr.accumulation(n) * s)
+    tr.set(out, s=s, e=plus(tr.accumulation(n) * s, e), owned=True)
     return out
 
 
@@ -208,8 +210,8 @@ def _product(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     sa, sb = tr.s(a), tr.s(b)
     s = func(sa, sb)
-    e = product(tr.e(a), sb, func) + product(sa, tr.e(b), func)
-    tr.set(out, s=s, e=e + tr.accumulation(a.shape[-1]) * s)
+    e = plus(product(tr.e(a), sb, func), product(sa, tr.e(b), func))
+    tr.set(out, s=s, e=plus(tr.accumulation(a.shape[-1]) * s, e), owned=True)
     return out
 
 
@@ -238,7 +240,7 @@ def _add_product(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         e = e + tr.u * s + beta * tr.e(c)
         s = s + beta * tr.s(c)
         k += 1
-    tr.set(out, s=s, e=e + tr.accumulation(k) * s)
+    tr.set(out, s=s, e=plus(tr.accumulation(k) * s, e), owned=True)
     return out
 
 
@@ -256,5 +258,5 @@ def _scatter_sum(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     s = run(lambda t: tr.s(t), alpha)
     e = run(lambda t: torch.zeros(t.shape, dtype=torch.float64, device=t.device) + tr.e(t), alpha)
     n = run(lambda t: torch.ones(t.shape, dtype=torch.float64, device=t.device), 1.0)
-    tr.set(out, s=s, e=e + tr.accumulation(n) * s)
+    tr.set(out, s=s, e=plus(tr.accumulation(n) * s, e), owned=True)
     return out

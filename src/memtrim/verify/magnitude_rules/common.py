@@ -37,7 +37,25 @@ def prop(d: Any, e: Any) -> Any:
         return 0.0 if e == 0.0 else d * e
     if not isinstance(d, torch.Tensor):
         return e * abs(d) if d != 0 else torch.zeros_like(e)
-    return (d.abs() * e).masked_fill_((e == 0) | (d == 0), 0.0)
+    zero = (e == 0) | (d == 0)
+    ad = d.abs()
+    # |d| * e in |d|'s new tensor where it has the result's shape and dtype (the same products)
+    if ad.shape == zero.shape and ad.dtype == torch.result_type(ad, e):
+        return ad.mul_(e).masked_fill_(zero, 0.0)
+    return (ad * e).masked_fill_(zero, 0.0)
+
+
+def plus(a: Any, b: Any) -> Any:
+    """``a + b``, written into ``a`` where ``a`` is a new tensor of the caller's (one it neither keeps nor
+    reads again) with the sum's shape and dtype: the same sums, one case-sized temporary fewer."""
+    if (
+        isinstance(a, torch.Tensor)
+        and not a.requires_grad
+        and a.shape == torch.broadcast_shapes(a.shape, b.shape if isinstance(b, torch.Tensor) else ())
+        and a.dtype == torch.result_type(a, b)
+    ):
+        return a.add_(b)
+    return a + b
 
 
 def product(a: Any, b: Any, op: Callable[..., torch.Tensor]) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from memtrim.registry import Registry
-from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, prop
+from memtrim.verify.magnitude_rules.common import Args, Kwargs, aten, plus, prop
 from memtrim.verify.magnitudes import Tracer, register_magnitude_rule
 
 FUNCTION_ULPS: Registry[str, float] = Registry(
@@ -69,8 +69,10 @@ def _function(name: str, derivative: Derivative) -> Callable[..., Any]:
         out = func(*args, **kwargs)
         yv = tr.value(out)
         size = yv.abs().clamp_min(1.0) if absolute else yv.abs()
-        e = prop(derivative(xv, yv), e_in) + 2.0 * ulps * tr.u_acc * size
-        tr.set(out, s=yv.abs(), e=e)
+        own = size.mul_(2.0 * ulps * tr.u_acc)  # the function's own error, in size's new tensor
+        e = plus(prop(derivative(xv, yv), e_in), own)
+        del size, own, e_in
+        tr.set(out, s=yv.abs(), e=e, owned=True)
         return out
 
     rule.__name__ = rule.__qualname__ = f"_{name}"
@@ -106,7 +108,7 @@ def _pow(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     yv = tr.value(out)
     own = 2.0 * FUNCTION_ULPS["pow"] * tr.u_acc * yv.abs()
     if not isinstance(base, torch.Tensor):  # b ** x
-        tr.set(out, s=yv.abs(), e=prop(yv * math.log(abs(float(base))), tr.e(exponent)) + own)
+        tr.set(out, s=yv.abs(), e=prop(yv * math.log(abs(float(base))), tr.e(exponent)) + own, owned=True)
         return out
     if not isinstance(exponent, torch.Tensor):
         p = float(exponent)
@@ -120,14 +122,14 @@ def _pow(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
         if p == int(p) and p > 0:
             # x**k as k-1 multiplications of magnitudes: S**k, and k * S**(k-1) * E to first order.
             own = 0.0 if p == 2 else 2.0 * FUNCTION_ULPS["pow"] * tr.u_acc * sb**p
-            tr.set(out, s=sb**p, e=prop(p * sb ** (p - 1), tr.e(base)) + own)
+            tr.set(out, s=sb**p, e=prop(p * sb ** (p - 1), tr.e(base)) + own, owned=True)
             return out
         d = abs(p) * tr.value(base).abs() ** (p - 1)
-        tr.set(out, s=yv.abs(), e=prop(d, tr.e(base)) + own)
+        tr.set(out, s=yv.abs(), e=prop(d, tr.e(base)) + own, owned=True)
         return out
     xv, pv = tr.value(base), tr.value(exponent)
-    e = prop(pv * xv.abs() ** (pv - 1), tr.e(base)) + prop(yv * xv.abs().log(), tr.e(exponent))
-    tr.set(out, s=yv.abs(), e=e + own)
+    e = plus(prop(pv * xv.abs() ** (pv - 1), tr.e(base)), prop(yv * xv.abs().log(), tr.e(exponent)))
+    tr.set(out, s=yv.abs(), e=plus(e, own), owned=True)
     return out
 
 

@@ -115,7 +115,7 @@ def _moves(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
 
         chans = [flat(func(*sub(args, channel(c), every), **kw)) for c in range(3)]
         for i in fresh:
-            tr.set(outs[i], s=chans[0][i], e=chans[1][i], rounded=chans[2][i] > 0.5)
+            tr.set(outs[i], s=chans[0][i], e=chans[1][i], rounded=chans[2][i] > 0.5, owned=True)
     return out
 
 
@@ -136,7 +136,9 @@ def _pad(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     value = args[2] if len(args) > 2 else kwargs.get("value", 0.0)
     out = func(*args, **kwargs)
     s, e, q = tr.channels(x)
-    tr.set(out, s=func(s, pad, abs(float(value))), e=func(e, pad, 0.0), rounded=func(q, pad, False))
+    tr.set(
+        out, s=func(s, pad, abs(float(value))), e=func(e, pad, 0.0), rounded=func(q, pad, False), owned=True
+    )
     return out
 
 
@@ -145,7 +147,7 @@ def _where(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out = func(*args, **kwargs)
     if len(args) == 3:
         s, e, q = select3(tr, args[0], args[1], args[2], out)
-        tr.set(out, s=s, e=e, rounded=q)
+        tr.set(out, s=s, e=e, rounded=q, owned=True)
     return out
 
 
@@ -154,7 +156,7 @@ def _masked_fill(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     x, mask, value = args[0], args[1], args[2]
     s, e, q = select3(tr, mask, value, x, x)  # before an in-place fill overwrites x
     out = func(*args, **kwargs)
-    tr.set(out, s=s, e=e, rounded=q)
+    tr.set(out, s=s, e=e, rounded=q, owned=True)
     return out
 
 
@@ -192,7 +194,7 @@ def _index_put(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     else:
         s, e, q = put(sx, indices, sv), put(ex, indices, ev), put(qx, indices, qv)
     out = func(*args, **kwargs)
-    tr.set(out, s=s, e=e, rounded=q)
+    tr.set(out, s=s, e=e, rounded=q, owned=True)
     return out
 
 
@@ -210,7 +212,7 @@ def _scatter(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     else:
         s, e = aten.scatter.value(sx, dim, index, abs(float(src))), aten.scatter.value(ex, dim, index, 0.0)
         q = aten.scatter.value(qx.double(), dim, index, 0.0) > 0.5
-    tr.set(out, s=s, e=e, rounded=q)
+    tr.set(out, s=s, e=e, rounded=q, owned=True)
     return out
 
 
@@ -290,7 +292,7 @@ def _dropout(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     out, mask = func(*args, **kwargs)
     scale = (1.0 / (1.0 - p) if p < 1 else 0.0) if train is not False else 1.0
     keep = mask.to(torch.float64) * scale
-    tr.set(out, s=tr.s(x) * keep, e=tr.e(x) * keep)
+    tr.set(out, s=tr.s(x) * keep, e=tr.e(x) * keep, owned=True)
     return out, mask
 
 
@@ -299,5 +301,5 @@ def _dropout_backward(tr: Tracer, func: Any, args: Args, kwargs: Kwargs) -> Any:
     grad, mask, scale = args[0], args[1], float(args[2])
     out = func(*args, **kwargs)
     keep = mask.to(torch.float64) * scale
-    tr.set(out, s=tr.s(grad) * keep, e=tr.e(grad) * keep)
+    tr.set(out, s=tr.s(grad) * keep, e=tr.e(grad) * keep, owned=True)
     return out
