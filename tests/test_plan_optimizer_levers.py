@@ -254,7 +254,9 @@ class _InPlaceZeroingSGD(torch.optim.SGD):
     """An optimizer library's zero_grad of its own, which zeroes in place without reaching the base
     class's."""
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
+    def zero_grad(self, set_to_none: bool = False, *, zeroed: list[int] | None = None) -> None:
+        if zeroed is not None:  # an argument the base class's zero_grad does not take
+            zeroed.append(len(self.param_groups))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -278,8 +280,9 @@ def test_set_to_none_reaches_an_optimizer_subclass_with_its_own_zero_grad() -> N
     assert all(torch.equal(a, b) for a, b in zip(_parameters(reference), _parameters(fresh), strict=True))
     with applied(plan):
         fresh(torch.randn(2, 256)).sum().backward()
-        optimizer.zero_grad(set_to_none=False)
-        assert all(p.grad is None for p in fresh.parameters())
+        zeroed: list[int] = []
+        optimizer.zero_grad(False, zeroed=zeroed)  # its own arguments reach it
+        assert all(p.grad is None for p in fresh.parameters()) and zeroed == [1]
     fresh(torch.randn(2, 256)).sum().backward()
     optimizer.zero_grad(set_to_none=False)  # undone: its own zero_grad zeroes in place again
     assert all(p.grad is not None for p in fresh.parameters())

@@ -20,6 +20,7 @@ Each is predicted by its finding's what-if; the optimizer-step levers cost no FL
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -210,7 +211,7 @@ def _zero_grad_owners() -> list[type]:
         seen.add(cls)
         todo.extend(cls.__subclasses__())
         own = cls.__dict__.get("zero_grad")
-        if cls in _BASES or (inspect.isfunction(own) and _takes_set_to_none(own)):
+        if inspect.isfunction(own) and _takes_set_to_none(own):
             owners.append(cls)
     return owners
 
@@ -222,17 +223,27 @@ def _takes_set_to_none(function: Any) -> bool:
         return False
 
 
+def _to_none(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` called with ``set_to_none=True`` whatever its caller passed, its other arguments as
+    given (bound to its own signature: a subclass's ``zero_grad`` may take more than the base's)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["set_to_none"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    return zero_grad
+
+
 def _to_none_install(uses: Uses) -> Undo:
     stack = contextlib.ExitStack()
     whens = {u.get("when") for u in uses}
     if "zero_grad" in whens:
         for owner in _zero_grad_owners():
             original = owner.__dict__["zero_grad"]  # the class's own, restored as it was
-
-            def zero_grad(self: Any, set_to_none: bool = True, _original: Any = original) -> None:
-                _original(self, set_to_none=True)
-
-            owner.zero_grad = zero_grad  # type: ignore[attr-defined]
+            owner.zero_grad = _to_none(original)  # type: ignore[attr-defined]
             stack.callback(setattr, owner, "zero_grad", original)
     if "after-step" in whens:
 
