@@ -8,7 +8,11 @@ frees and facts; tensors of the loop are freed by then) less the same reading be
 tracemalloc slows the loop; the figure does not depend on speed. Target (issue 22, item 4): at most
 100 B per recorded op, and a save in at most 3 s per million ops.
 
-    python bench/long_run_memory.py [--steps 20000]
+The recorder packs all but its latest rows every few thousand ops (memtrim.trace.packed). What that
+costs in time is printed last: a 1,500-step region of the same loop with packing and with it switched
+off (``SEAL_EVERY`` out of reach), alternating, tracemalloc off, medians of ``--rounds``.
+
+    python bench/long_run_memory.py [--steps 20000] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +29,7 @@ import tracemalloc
 import torch
 
 import memtrim
+from memtrim.capture import recorder
 from memtrim.trace import stream
 
 BYTES_PER_OP_TARGET = 100
@@ -33,6 +39,7 @@ SAVE_TARGET_S_PER_MILLION = 3.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings on a shared machine)")
     torch.manual_seed(0)
@@ -72,6 +79,32 @@ def main() -> None:
     print(
         f"save: {save:.2f} s, {per_million:.2f} s per million ops (target at most "
         f"{SAVE_TARGET_S_PER_MILLION:.0f} s) -> {met}; {size / 2**20:.1f} MiB of JSON"
+    )
+    packing_cost(model, opt, x, args.rounds)
+
+
+def packing_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, rounds: int) -> None:
+    times: dict[str, list[float]] = {"packed": [], "not packed": []}
+    every = recorder.SEAL_EVERY
+    try:
+        for _ in range(rounds):
+            for name, seal_every in (("packed", every), ("not packed", 10**15)):
+                recorder.SEAL_EVERY = seal_every
+                gc.collect()
+                start = time.perf_counter()
+                with memtrim.track() as trace:
+                    for _ in range(1500):
+                        model(x).sum().backward()
+                        opt.step()
+                        opt.zero_grad()
+                times[name].append(time.perf_counter() - start)
+                del trace
+    finally:
+        recorder.SEAL_EVERY = every
+    packed, unpacked = statistics.median(times["packed"]), statistics.median(times["not packed"])
+    print(
+        f"a 1,500-step region: {packed:.2f} s packed, {unpacked:.2f} s not packed "
+        f"(medians of {rounds}, alternating): packing costs {packed / unpacked:.3f}x"
     )
 
 

@@ -28,14 +28,13 @@ import gc
 import itertools
 import weakref
 from collections.abc import Iterable
-from operator import itemgetter
 from types import CodeType, FrameType
-from typing import Any
 
 import torch
 
+from memtrim.trace.model import OpLog
+
 CALL_IMPL: CodeType = torch.nn.Module._call_impl.__code__
-_MODULE = itemgetter(5)
 
 # id(parent), id(child) -> the child's name in the parent
 _names: dict[tuple[int, int], str] = {}
@@ -177,10 +176,9 @@ def _submodule(parent: torch.nn.Module, dotted: str) -> torch.nn.Module | None:
     return module
 
 
-def rename_roots(rows: list[Any]) -> None:
-    """Rewrite the module paths of a finished region's op rows (``OpRow``: the path is field 5) with
-    :func:`name_roots`, in place."""
-    paths = {m for m in map(_MODULE, rows) if m}
+def rename_roots(ops: OpLog) -> None:
+    """Rewrite the module paths of a finished region's ops with :func:`name_roots`, in place."""
+    paths = ops.module_paths()
     renamed = name_roots(paths)
     if not renamed:
         return
@@ -189,9 +187,7 @@ def rename_roots(rows: list[Any]) -> None:
         lead, dot, rest = path.partition(".")
         if lead in renamed:
             new[path] = renamed[lead] + dot + rest
-    for i, row in enumerate(rows):
-        if (path := row[5]) in new:
-            rows[i] = row._replace(module=new[path])
+    ops.rename_modules(new)
 
 
 def _forget_holder(key: int, _: weakref.ref[torch.nn.Module]) -> None:

@@ -16,6 +16,7 @@ import itertools
 import math
 import operator
 import weakref
+from array import array
 from collections.abc import Callable, Iterator
 from sys import _getframe
 from typing import Any
@@ -35,6 +36,7 @@ from memtrim.capture.frames import (
     user_site,
 )
 from memtrim.capture.modules import modules_seen, modules_with_buffers, rename_roots
+from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import (
     SCALAR_OPS,
     AllocationLog,
@@ -46,6 +48,7 @@ from memtrim.trace.model import (
     Site,
     TraceLog,
 )
+from memtrim.trace.packed import KEEP_RECENT, SEAL_EVERY
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -207,9 +210,11 @@ class Recorder(DetachableMode):
         self._twins: list[torch.Tensor] = []
         self._clock = itertools.count()
         self._watches: dict[int, _StorageWatch] = {}
-        self._ops = trace.ops.rows
+        # the lists and dicts rows are written to (the logs pack older rows every SEAL_EVERY ops)
+        self._ops = trace.ops.writing_rows()
         self._recorded = trace.recorded = AllocationLog()
-        self._rows = self._recorded.rows
+        self._rows, self._frees, facts = self._recorded.writing()
+        self._seal_at = SEAL_EVERY + KEEP_RECENT
         # an output of the last op, whose autograd node (made after dispatch returns) is still to be
         # stamped, and the op's number
         self._pending: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
@@ -226,7 +231,8 @@ class Recorder(DetachableMode):
         self._no_memory: dict[int, weakref.ref[Any]] = {}
         # ops the engine ran for an AccumulateGrad node
         self._accumulating: set[int] = set()
-        self._facts = FactRecorder(self._watches, self._recorded.facts, self._watch_one_preexisting)
+        self._accumulated = array("q")  # (those of them before the last seal)
+        self._facts = FactRecorder(self._watches, facts, self._watch_one_preexisting)
         # blocks a collective made where no mode sees them (gloo's reduce-scatter clone), each
         # (bytes, dtype, device, row) until its storage is first seen
         self._unseen: list[tuple[int, Any, Any, int]] = []
@@ -333,6 +339,8 @@ class Recorder(DetachableMode):
 
         ops = self._ops
         seq = len(ops)
+        if seq >= self._seal_at:
+            self._seal()
         ops.append(_row(OpRow, (next(self._clock), info.name, phase, site, node_name, module, tuple(inputs))))
         written = self._written_sizes(info, args, kwargs) if info.writes else None
         try:
@@ -560,6 +568,17 @@ class Recorder(DetachableMode):
         self._watches[watch.key] = watch
         return watch
 
+    def _seal(self) -> None:
+        """Pack all but the latest rows (memtrim.trace.packed): a long run's recording stays small."""
+        # A seal makes thousands of short-lived tuples: with the collector running, they would set
+        # off collections that walk the whole heap (the program's and the recording's).
+        with collector_paused():
+            self.trace.ops.seal(len(self._ops) - KEEP_RECENT)
+            self._recorded.seal(len(self._rows) - KEEP_RECENT)
+        self._accumulated.extend(self._accumulating)
+        self._accumulating.clear()
+        self._seal_at = len(self._ops) + SEAL_EVERY
+
     def tick(self) -> int:
         """A tick of this recorder's clock for an event of its own (a region's start or end), after the
         frees queued so far: a tensor dropped before the event is freed before it."""
@@ -569,7 +588,7 @@ class Recorder(DetachableMode):
 
     def _drain_frees(self) -> None:
         """Tick the frees queued since the last op, in the order they happened."""
-        freed, frees, watches = self._freed, self._recorded.frees, self._watches
+        freed, frees, watches = self._freed, self._frees, self._watches
         clock, phase = self._clock, self._last_phase
         done = len(freed)  # (another thread may append meanwhile: that one is ticked next time)
         for i in range(done):
@@ -611,7 +630,7 @@ class Recorder(DetachableMode):
             if after == before:
                 continue
             # The allocator hands out a new block and frees the old one; the StorageImpl stays.
-            self._resized(storage, t, before, after, seq, self._ops[seq].phase, call_site)
+            self._resized(storage, t, before, after, seq, self.trace.ops.row(seq).phase, call_site)
 
     def _resized(
         self,
@@ -649,21 +668,21 @@ class Recorder(DetachableMode):
         elif watch is not None:
             del self._watches[key]  # drops the weak reference: no second free
         if old is not None:
-            self._recorded.frees[old] = FreeRow(next(self._clock), phase)
+            self._frees[old] = FreeRow(next(self._clock), phase)
 
     # -- torch.distributed (memtrim.capture.distributed's hooks call these) -----------------------
     def tag_storage(self, t: torch.Tensor, fact: Fact) -> None:
         self._facts.tag(t, fact)
 
     def phase_of(self, seq: int) -> Phase:
-        phase: Phase = self._ops[seq].phase
+        phase: Phase = self.trace.ops.row(seq).phase
         return phase
 
     def describe(self, t: torch.Tensor) -> None:
         """``t`` views a storage that a ``resize_`` allocated (known then only as bytes, and under fake
         mode on the meta device): its row takes ``t``'s dtype, shape and device."""
         watch = self._watches.get(t.untyped_storage()._cdata)
-        if watch is None or (row := self._rows[watch.index]).seq < 0:
+        if watch is None or (row := self._recorded.row(watch.index)).seq < 0:
             return
         if row.dtype is torch.uint8 and row.shape == (row.bytes,) and t.nbytes == row.bytes:
             self._rows[watch.index] = row._replace(dtype=t.dtype, shape=t.shape, device=t.device)
@@ -686,7 +705,7 @@ class Recorder(DetachableMode):
         """A functional collective's output ``t`` was waited on: the blocks its work held are freed."""
         rows = self._until_wait.pop(t.untyped_storage()._cdata, ())
         for index in rows:
-            self._recorded.frees[index] = FreeRow(next(self._clock), self._ops[seq].phase)
+            self._frees[index] = FreeRow(next(self._clock), self.trace.ops.row(seq).phase)
 
     def _claim_unseen(self, t: torch.Tensor, storage: Any) -> _StorageWatch | None:
         nbytes = storage.nbytes()
@@ -723,7 +742,7 @@ class Recorder(DetachableMode):
             return
         metadata = _metadata(node)
         if NODE_STAMP not in metadata:
-            row = self._ops[seq]
+            row = self._ops[seq] or self.trace.ops.row(seq)  # (None: packed)
             metadata[NODE_STAMP] = (row.site, row.module)
             # (a custom Function that returns a view of what it made gets its node on that view)
             if (marks_saved or isinstance(node, _CustomFunctionNode)) and seq not in self._under_user_hooks:
@@ -752,7 +771,7 @@ class Recorder(DetachableMode):
                 watch = self._watches.get(storage._cdata)
                 if watch is None:
                     break
-                made.append(self._rows[watch.index].seq)
+                made.append(self._recorded.row(watch.index).seq)
             else:
                 if made and not self._under_user_hooks.intersection(made):
                     self._mark_saved(node)
@@ -813,12 +832,12 @@ class Recorder(DetachableMode):
                 self._facts.tag(t, fact)
         self._facts.finish(modules_with_buffers())
         self._facts.remove()
-        rename_roots(self._ops)  # model.encoder(...) and model.decoder(...): paths from model
+        rename_roots(self.trace.ops)  # model.encoder(...) and model.decoder(...): paths from model
         self._open = False
-        if accumulating := self._accumulating:
+        if accumulating := self._accumulating.union(self._accumulated):
             recorded = self._recorded
-            for index, row in enumerate(recorded.rows):
-                if row.seq in accumulating:
+            for index, seq in enumerate(recorded.seqs()):
+                if seq in accumulating:
                     recorded.add_fact(index, Fact.GRADIENT)
         # What autograd saved under the user's own saved-tensor hooks could not be read from the
         # nodes: fall back to lifetime (autograd frees what it saved as backward consumes it).

@@ -21,7 +21,7 @@ def remember_source_lines(log: TraceLog) -> None:
     """Store the stripped text of every site ``log`` names (lines that cannot be read are left out)."""
     # (an allocation's site is its op's: the op rows name every site, and reading them builds no
     # Allocation objects, which a trace makes only when something reads it)
-    sites: set[Site] = {row.site for row in log.ops.rows if row.site is not None}
+    sites: set[Site] = log.ops.sites()
     table: dict[str, dict[str, str]] = {}
     for site in sites:
         text = linecache.getline(site.file, site.line).strip()

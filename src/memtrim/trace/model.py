@@ -16,10 +16,12 @@ Row layouts (what the recorder appends on its hot path; see docs/ARCHITECTURE.md
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, overload
+
+from memtrim.trace.packed import PackedAllocations, PackedOps
 
 SCHEMA = "memtrim.trace/3"
 """What :func:`~memtrim.trace.save` writes. /2 added allocation facts and regions to /1; /3 holds /2's
@@ -79,6 +81,9 @@ class Fact(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+_FACT_ORDER = tuple(Fact)  # a packed row's facts: bit i for the i-th
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,18 +194,70 @@ class OpCall:
 
 class OpLog(Sequence[OpCall]):
     """Every op call as :class:`OpRow` rows (one tuple per op while recording: cheap, and no work for
-    the garbage collector); reading yields :class:`OpCall` objects."""
+    the garbage collector; older ones packed every few thousand ops, :mod:`memtrim.trace.packed`);
+    reading yields :class:`OpCall` objects."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("_packed", "_rows")
 
     def __init__(self, rows: list[OpRow] | None = None) -> None:
-        self.rows: list[OpRow] = rows if rows is not None else []
+        self._rows: list[OpRow] = rows if rows is not None else []
+        self._packed: PackedOps | None = None
+
+    @property
+    def rows(self) -> list[OpRow]:
+        """Every row, as written (packed rows are unpacked first, once)."""
+        if self._packed is not None:
+            self._packed.unpack(_op_row, self._rows)
+            self._packed = None
+        return self._rows
+
+    def writing_rows(self) -> list[OpRow]:
+        """The list the recorder appends to, as it is: a sealed row's slot holds ``None``."""
+        return self._rows
+
+    def seal(self, end: int) -> None:
+        """Pack the rows before ``end`` (the recorder, every :data:`~memtrim.trace.packed.SEAL_EVERY`
+        ops)."""
+        if self._packed is None:
+            self._packed = PackedOps()
+        self._packed.seal(self._rows, end)
+
+    def row(self, index: int) -> OpRow:
+        """Row ``index`` (from 0), packed or not."""
+        row = self._rows[index]
+        if row is None:
+            assert self._packed is not None
+            row = self._packed.row(_op_row, index if index >= 0 else index + len(self._rows))
+        return row
+
+    def sites(self) -> set[Site]:
+        """The sites of every row (nothing is unpacked)."""
+        found: set[Site | None] = {row[3] for row in self._rows if row is not None}
+        if self._packed is not None:
+            found.update(self._packed.sites())
+        return {site for site in found if site is not None}
+
+    def module_paths(self) -> set[str]:
+        """The module paths of every row."""
+        paths = {m for row in self._rows if row is not None and (m := row[5])}
+        if self._packed is not None:
+            paths.update(self._packed.modules())
+        return paths
+
+    def rename_modules(self, new: dict[str, str]) -> None:
+        """Rewrite module paths (a finished region's: ``model.encoder`` for what ran as ``encoder``)."""
+        rows = self._rows
+        for i, row in enumerate(rows):
+            if row is not None and (path := row[5]) in new:
+                rows[i] = row._replace(module=new[path])
+        if self._packed is not None:
+            self._packed.rename_modules(new)
 
     def append(self, op: OpCall) -> None:
-        self.rows.append(OpRow(op.tick, op.op, op.phase, op.site, op.node, op.module, op.inputs))
+        self._rows.append(OpRow(op.tick, op.op, op.phase, op.site, op.node, op.module, op.inputs))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._rows)
 
     @overload
     def __getitem__(self, index: int) -> OpCall: ...
@@ -211,7 +268,7 @@ class OpLog(Sequence[OpCall]):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
-        return OpCall(index, *self.rows[index])
+        return OpCall(index, *self.row(index))
 
     def __iter__(self) -> Iterator[OpCall]:
         return (OpCall(i, *row) for i, row in enumerate(self.rows))
@@ -220,6 +277,11 @@ class OpLog(Sequence[OpCall]):
         return isinstance(other, OpLog) and self.rows == other.rows
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_op_row: Callable[[tuple[Any, ...]], OpRow] = OpRow._make
+_alloc_row: Callable[[tuple[Any, ...]], AllocRow] = AllocRow._make
+_free_row: Callable[[tuple[Any, ...]], FreeRow] = FreeRow._make
 
 
 @dataclass(slots=True)
@@ -272,23 +334,74 @@ class Allocation:
 
 
 class AllocationLog:
-    """Allocations as the recorder writes them: :class:`AllocRow` rows, frees and saves by row number.
+    """Allocations as the recorder writes them: :class:`AllocRow` rows, frees and saves by row number
+    (older rows, frees and facts packed every few thousand ops: :mod:`memtrim.trace.packed`).
 
     :class:`Allocation` objects are made from the rows when a trace is first read, not while the
     program runs: what an op made (name, phase, site, node, module) is looked up in the op log by the
     row's op number, and dtypes, devices and shapes are kept as torch gave them until then.
     """
 
-    __slots__ = ("facts", "frees", "rows", "saved")
+    __slots__ = ("_facts", "_frees", "_packed", "_rows", "saved")
 
     def __init__(self) -> None:
-        self.rows: list[AllocRow] = []
-        self.frees: dict[int, FreeRow] = {}
+        self._rows: list[AllocRow] = []
+        self._frees: dict[int, FreeRow] = {}
+        self._facts: dict[int, set[Fact]] = {}
+        self._packed: PackedAllocations | None = None
         self.saved: set[int] = set()
-        self.facts: dict[int, set[Fact]] = {}
+
+    def _unpacked(self) -> None:
+        if self._packed is not None:
+            self._packed.unpack(_alloc_row, _free_row, self._rows, self._frees, self._facts, _FACT_ORDER)
+            self._packed = None
+
+    @property
+    def rows(self) -> list[AllocRow]:
+        """Every row, as written (what is packed is unpacked first, once)."""
+        self._unpacked()
+        return self._rows
+
+    @property
+    def frees(self) -> dict[int, FreeRow]:
+        """Row number -> its free."""
+        self._unpacked()
+        return self._frees
+
+    @property
+    def facts(self) -> dict[int, set[Fact]]:
+        """Row number -> its facts."""
+        self._unpacked()
+        return self._facts
+
+    def writing(self) -> tuple[list[AllocRow], dict[int, FreeRow], dict[int, set[Fact]]]:
+        """The rows, frees and facts the recorder writes to, as they are: a sealed row's slot holds
+        ``None``, sealed frees and facts are no longer in the dicts."""
+        return self._rows, self._frees, self._facts
+
+    def seal(self, end: int) -> None:
+        """Pack the rows before ``end`` and every free and fact so far (the recorder, every
+        :data:`~memtrim.trace.packed.SEAL_EVERY` ops)."""
+        if self._packed is None:
+            self._packed = PackedAllocations()
+        self._packed.seal(self._rows, end, self._frees, self._facts, _FACT_ORDER)
+
+    def row(self, index: int) -> AllocRow:
+        """Row ``index`` (from 0), packed or not."""
+        row = self._rows[index]
+        if row is None:
+            assert self._packed is not None
+            row = self._packed.row(_alloc_row, index)
+        return row
+
+    def seqs(self) -> Iterator[int]:
+        """Each row's op number, in row order (nothing is unpacked)."""
+        if self._packed is None:
+            return (row.seq for row in self._rows)
+        return self._packed.seqs_of(self._rows)
 
     def add_fact(self, row: int, fact: Fact) -> None:
-        self.facts.setdefault(row, set()).add(fact)
+        self._facts.setdefault(row, set()).add(fact)
 
     def materialize(self, ops: OpLog) -> list[Allocation]:
         op_rows = ops.rows
