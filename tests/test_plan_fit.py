@@ -259,3 +259,76 @@ def test_the_floor_names_what_no_lever_removes_when_parameters_and_state_exceed_
         memtrim.fit(step, budget=parameters)  # parameters are alive before: state alone is 2x them
     text = str(raised.value)
     assert "Parameters and optimizer state alone are" in text and "FSDP2" in text
+
+
+class _NoFloat64(nn.Module):
+    """A layer whose kernel has no float64 version (as torch._grouped_mm on CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return self.linear(x)
+
+
+def test_a_reference_check_whose_float64_oracle_cannot_run_proves_nothing_and_blames_nothing() -> None:
+    from memtrim.plan.numerics import _unproven
+    from memtrim.verify import verify_fix
+
+    model = _NoFloat64()
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).square().mean()
+
+    report = verify_fix(model, lambda m: None, torch.randn(4, 8), loss=loss, mode="reference")
+    assert not report.passed
+    verdict = _unproven(report, "_NoFloat64")
+    assert verdict is not None and verdict.verdict == "not-run"
+    assert "could not prove" in verdict.note and "got Double" in verdict.note
+    # a candidate that really differs is still a failure
+    differs = verify_fix(
+        nn.Linear(8, 8), lambda m: m.weight.data.mul_(1.5), torch.randn(4, 8), mode="reference"
+    )
+    assert not differs.passed and _unproven(differs, "Linear") is None
+
+
+def test_fit_on_a_mixture_of_experts_model_says_what_its_numeric_check_could_not_run() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with memtrim.track() as trace:
+        step()
+    plan = memtrim.fit(step, budget=int(trace.peak_bytes * 0.7))
+    assert "chunked-loss" in [lever.lever for lever in plan.levers]
+    with profiler_memory() as truth, applied(plan):
+        step()
+    assert truth.peak_in_window <= plan.budget
+    # the loss is not changed beyond rounding: whatever the check could do, it must not say "fail"
+    assert plan.numerics.verdict != "fail", plan.numerics
+    if plan.numerics.verdict == "not-run":  # transformers' grouped-mm experts have no float64 kernel
+        assert "could not prove" in plan.numerics.note and "float64" in plan.numerics.note
