@@ -332,3 +332,32 @@ def test_fit_on_a_mixture_of_experts_model_says_what_its_numeric_check_could_not
     assert plan.numerics.verdict != "fail", plan.numerics
     if plan.numerics.verdict == "not-run":  # transformers' grouped-mm experts have no float64 kernel
         assert "could not prove" in plan.numerics.note and "float64" in plan.numerics.note
+
+
+def test_the_blocks_of_an_encoder_inside_a_sequential_are_its_layers_not_the_encoder() -> None:
+    # nn.Sequential(encoder, head) runs the encoder's layers as 0.layers.0, 0.layers.1, ...: the
+    # sequential's two children are not repeated blocks (the head is a Linear), the layers are
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 256, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.Linear(64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 32, 64), torch.randint(0, 10, (4 * 32,))
+
+    def step() -> None:
+        nn.functional.cross_entropy(model(x).view(-1, 10), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with memtrim.track() as trace:
+        step()
+    checkpoints = [o for o in options_of(trace.analysis) if o.lever == "checkpoint"]
+    assert sorted(o.target for o in checkpoints) == ["0.layers.0", "0.layers.1", "0.layers.2"]
+    first = next(o for o in checkpoints if o.target == "0.layers.0")
+    plan = memtrim.fit(step, budget=trace.analysis.peak_with(first.edits))
+    assert [(lever.lever, lever.target) for lever in plan.levers] == [("checkpoint", "0.layers.0")]
+    with profiler_memory() as truth, applied(plan):
+        step()
+    assert truth.peak_in_window < trace.peak_bytes
+    assert abs(truth.peak_in_window - plan.predicted_peak) <= 0.01 * truth.peak_in_window
+    assert plan.numerics.verdict == "pass", plan.numerics

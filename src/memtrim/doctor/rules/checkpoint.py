@@ -62,33 +62,63 @@ def _instance(module: str) -> tuple[str, str] | None:
     return None
 
 
-def _outermost_instance(
-    module: str | None, known: dict[str, tuple[str, str] | None]
-) -> tuple[str, str] | None:
-    """(container, block) of the outermost indexed module on the path: a block, not a layer in it."""
-    if module is None:
-        return None
-    if module in known:
-        return known[module]
+def _levels(module: str) -> list[tuple[str, str]]:
+    """(container, instance) of every indexed module on ``module``'s path, innermost first."""
+    levels = []
     found = _instance(module)
     while found is not None:
-        outer = _instance(found[0])
-        if outer is None:
-            break
-        found = outer
-    known[module] = found
-    return found
+        levels.append(found)
+        found = _instance(found[0])
+    return levels
+
+
+class _Blocks:
+    """Which indexed module on a path is the block to checkpoint: the outermost one that is a repeated
+    block (one with modules inside it, and a sibling in its container with the same modules inside),
+    else the outermost indexed one. ``nn.Sequential(encoder, head)`` runs its encoder's layers as
+    ``0.layers.0``, ``0.layers.1``: the blocks are those layers, not the encoder, which the head does
+    not repeat."""
+
+    def __init__(self, paths: set[str]) -> None:
+        inside: dict[str, set[str]] = {}
+        for path in paths:
+            for _, instance in _levels(path):
+                found = inside.setdefault(instance, set())
+                if path != instance:
+                    found.add(path[len(instance) + 1 :])
+        self._repeated: set[str] = set()
+        by_container: dict[tuple[str, frozenset[str]], list[str]] = {}
+        for instance, modules in inside.items():
+            found_instance = _instance(instance)
+            if modules and found_instance is not None:
+                by_container.setdefault((found_instance[0], frozenset(modules)), []).append(instance)
+        for siblings in by_container.values():
+            if len(siblings) > 1:
+                self._repeated.update(siblings)
+        self._known: dict[str, tuple[str, str] | None] = {}
+
+    def of(self, module: str | None) -> tuple[str, str] | None:
+        """(container, block) for an op that ran in ``module``."""
+        if module is None:
+            return None
+        if module in self._known:
+            return self._known[module]
+        levels = _levels(module)
+        repeated = [level for level in levels if level[1] in self._repeated]
+        found = repeated[-1] if repeated else (levels[-1] if levels else None)
+        self._known[module] = found
+        return found
 
 
 def _groups(flow: Flow) -> dict[str, dict[str, _Block]]:
     """Indexed blocks by container, with their forward runs and the backward ops run for them (a
     backward op carries the module of the forward op that made its node), from the module paths."""
     groups: dict[str, dict[str, _Block]] = {}
-    known: dict[str, tuple[str, str] | None] = {}
+    blocks = _Blocks({row.module for row in flow.ops if row.module})
     current: _Block | None = None
     for seq, row in enumerate(flow.ops):
         phase = row.phase
-        found = _outermost_instance(row.module, known) if phase in (Phase.FORWARD, Phase.BACKWARD) else None
+        found = blocks.of(row.module) if phase in (Phase.FORWARD, Phase.BACKWARD) else None
         if found is None:
             current = None
             continue
