@@ -165,3 +165,70 @@ def test_the_doctors_finding_names_the_patch_and_the_patch_as_printed_lands_on_t
     predicted = trace.analysis.peak_with(option.edits)
     assert abs(measured - predicted) <= 0.05 * measured
     assert measured < 0.5 * trace.peak_bytes
+
+
+class _Tagger(nn.Module):
+    """An LSTM tagger: its batch_first output is not contiguous, so its nn.Linear head runs ``mm`` and
+    then adds its bias (no ``addmm``): the bias is the head's own, not the user's arithmetic."""
+
+    def __init__(self, vocab: int = 3000) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 32)
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+        self.out = nn.Linear(64, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(self.embed(ids))[0])
+
+
+def test_a_head_that_adds_its_own_bias_after_mm_is_chunked_and_the_printed_code_lands_on_it() -> None:
+    torch.manual_seed(0)
+    model = _Tagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 3000, (4, 48), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with memtrim.track() as trace:
+        step()
+    names = {row.op for row in trace.log.ops.rows}
+    assert "aten.mm.default" in names and "aten.addmm.default" not in names  # (the head's form)
+    plan = memtrim.fit(step, budget=int(trace.peak_bytes * 0.7))
+    assert [(lever.lever, lever.target) for lever in plan.levers] == [("chunked-head-loss", "_Tagger.out")]
+    with memtrim.applied(plan):
+        measured = _profiled_peak(step)
+    assert measured <= plan.budget
+    assert abs(measured - plan.predicted_peak) <= 0.05 * measured
+    assert plan.numerics.verdict == "pass", plan.numerics
+    namespace = {"memtrim": memtrim, "model": model}
+    exec(plan.code(), namespace)
+    by_hand = _profiled_peak(step)
+    namespace["handle"].remove()  # type: ignore[attr-defined]
+    assert abs(by_hand - measured) <= 0.01 * measured
+
+
+class _OwnBiasedHead(nn.Module):
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.T + self.bias  # not an nn.Linear: chunked_head_loss cannot patch it
+
+
+def test_a_head_of_ones_own_that_adds_a_bias_gets_no_head_loss_option() -> None:
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(3000, 64), _OwnBiasedHead(64, 3000)
+    ids = torch.randint(0, 3000, (4, 48), generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(embed, head)
+    with memtrim.track() as trace:
+        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    assert "chunked-head-loss" not in {o.lever for o in options_of(trace.analysis)}
+    # the doctor still finds the logits and prescribes the function form
+    found = [d for d in trace.diagnoses() if d.rule == "logits-cross-entropy"]
+    assert found and "chunked_head_loss" not in str(found[0])

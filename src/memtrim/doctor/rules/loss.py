@@ -31,7 +31,7 @@ from memtrim.doctor.rules.logit_chain import (
     only_feeds,
     walk_back,
 )
-from memtrim.trace.model import Allocation, OpRow, Phase, Site
+from memtrim.trace.model import Allocation, Fact, OpRow, Phase, Site
 
 if TYPE_CHECKING:
     from memtrim.analysis.analysis import Analysis
@@ -121,6 +121,8 @@ class _Loss:
     """The scaled copies of ``hidden`` the matmul read (none without a hidden scale)."""
     cut: Slice | None = None
     """The loss read a copy of a slice of the logits (``logits[:, :-1]``): the fix slices ``hidden``."""
+    linear: bool = False
+    """The head module transposed the weight with ``aten.t`` before the matmul, as ``F.linear`` does."""
 
     @property
     def logits(self) -> Allocation:
@@ -188,7 +190,13 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
         own = set(step_ops) | {seq} | {flow.producer[g.id] for g in backward}
         if not all(only_feeds(flow, c, own) for c in chain):
             continue  # the logits are used for something besides the loss: they must exist
-        loss = _Loss(chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled, cut)
+        linear = any(
+            flow.names[s] == "t" and ops[s].module == chain[-1].module and weights[0].id in ops[s].inputs
+            for s in range(max(0, matmul_seq - 8), matmul_seq)
+        )
+        loss = _Loss(
+            chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled, cut, linear
+        )
         key = (log_probs.site, chain[-1].site, steps.logit_scale, steps.softcap, cut.index if cut else None)
         found.setdefault(key, []).append(loss)
     return found
@@ -419,14 +427,33 @@ class HeadLoss:
     """Tokens per call of the loss (its first)."""
 
 
+def _bias_in_head(loss: _Loss) -> bool:
+    """The chain's bias was added by the head module itself, to its own matmul's output: ``nn.Linear``
+    on a non-contiguous input (an LSTM's ``batch_first`` output) runs ``mm`` then ``add``, not
+    ``addmm``. The deferred logits of ``chunked_head_loss`` add the layer's bias themselves. Only in
+    ``F.linear``'s form (the weight through ``aten.t`` in the same module): a module of one's own that
+    adds a bias (``h @ self.weight.T + self.bias``: a ``permute``) is not an ``nn.Linear``, which is
+    all ``chunked_head_loss`` patches."""
+    bias, chain = loss.steps.bias, loss.chain
+    return (
+        loss.linear
+        and bias is not None
+        and len(chain) >= 2
+        and chain[-2].module == loss.logits.module
+        and bias.shape == (loss.vocab,)
+        and Fact.PARAMETER in bias.facts
+    )
+
+
 def _patchable_head(loss: _Loss) -> bool:
-    """Plain code, a head module, nothing between its logits and the loss but views, copies and the
-    upcast: what the deferred logits of ``chunked_head_loss`` take over."""
+    """Plain code, a head module, nothing between its logits and the loss but views, copies, the
+    upcast and the head's own bias: what the deferred logits of ``chunked_head_loss`` take over."""
     chain = loss.steps
+    own_bias = _bias_in_head(loss)
     plain = (
-        not chain.arithmetic
+        all(step == "+ bias" and own_bias for step in chain.arithmetic)
         and not chain.hidden_steps
-        and chain.bias is None
+        and (chain.bias is None or own_bias)
         and not loss.scaled
         and loss.cut is None  # the deferred logits take no slice
     )
@@ -435,7 +462,7 @@ def _patchable_head(loss: _Loss) -> bool:
         and "." in (loss.logits.module or "")
         and not _in_transformers_loss(loss.log_probs.site)
         # a downcast: the deferred logits take only the upcast the loss makes
-        and all(step in ("copy", "float32 copy") for step in chain.steps)
+        and all(step in ("copy", "float32 copy") or (step == "+ bias" and own_bias) for step in chain.steps)
     )
 
 
