@@ -5,6 +5,7 @@ events, and proven by ``memtrim.verify.verify_fix`` on the head's own weights.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from groundtruth import profiler_memory
@@ -211,19 +212,22 @@ def test_a_head_that_adds_its_own_bias_after_mm_is_chunked_and_the_printed_code_
     assert abs(by_hand - measured) <= 0.01 * measured
 
 
-class _OwnBiasedHead(nn.Module):
-    def __init__(self, width: int, vocab: int) -> None:
+class _OwnHead(nn.Module):
+    def __init__(self, width: int, vocab: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(vocab, width) * 0.02)
-        self.bias = nn.Parameter(torch.zeros(vocab))
+        self.bias = nn.Parameter(torch.zeros(vocab)) if bias else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.weight.T + self.bias  # not an nn.Linear: chunked_head_loss cannot patch it
+        # not an nn.Linear: chunked_head_loss cannot patch it
+        return h @ self.weight.T + self.bias if self.bias is not None else h @ self.weight.T
 
 
-def test_a_head_of_ones_own_that_adds_a_bias_gets_no_head_loss_option() -> None:
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_head_of_ones_own_gets_no_head_loss_option(bias: bool) -> None:
+    # (before, without a bias, memtrim.fit planned it: predicted 3.17 MB, measured 6.96 MB unchanged)
     torch.manual_seed(0)
-    embed, head = nn.Embedding(3000, 64), _OwnBiasedHead(64, 3000)
+    embed, head = nn.Embedding(3000, 64), _OwnHead(64, 3000, bias)
     ids = torch.randint(0, 3000, (4, 48), generator=torch.Generator().manual_seed(0))
     model = nn.Sequential(embed, head)
     with memtrim.track() as trace:

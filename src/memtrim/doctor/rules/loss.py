@@ -446,8 +446,9 @@ def _bias_in_head(loss: _Loss) -> bool:
 
 
 def _patchable_head(loss: _Loss) -> bool:
-    """Plain code, a head module, nothing between its logits and the loss but views, copies, the
-    upcast and the head's own bias: what the deferred logits of ``chunked_head_loss`` take over."""
+    """Plain code, a head module that ran ``F.linear``, nothing between its logits and the loss but
+    views, copies, the upcast and the head's own bias: what the deferred logits of
+    ``chunked_head_loss`` take over."""
     chain = loss.steps
     own_bias = _bias_in_head(loss)
     plain = (
@@ -459,6 +460,7 @@ def _patchable_head(loss: _Loss) -> bool:
     )
     return (
         plain
+        and loss.linear  # an nn.Linear's F.linear: all chunked_head_loss patches
         and "." in (loss.logits.module or "")
         and not _in_transformers_loss(loss.log_probs.site)
         # a downcast: the deferred logits take only the upcast the loss makes
