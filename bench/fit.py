@@ -222,6 +222,42 @@ def lm_bf16_plain() -> Step:
     )
 
 
+def mixtral() -> Step:
+    """A mixture of experts: transformers runs its experts through torch._grouped_mm."""
+    import transformers
+
+    config = _decoder_config(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2)
+    return _causal_lm(transformers.MixtralForCausalLM(config), 8192)
+
+
+def torch_encoder() -> Step:
+    """nn.TransformerEncoder (4 layers) and a Linear head in one nn.Sequential, label smoothing."""
+    layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 4, enable_nested_tensor=False), nn.Linear(128, 10))
+    x, y = torch.randn(8, 64, 128), torch.randint(0, 10, (8 * 64,))
+    return training_step(
+        model, lambda: nn.functional.cross_entropy(model(x).view(-1, 10), y, label_smoothing=0.1)
+    )
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5000, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.out = nn.Linear(128, 5000)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(self.embed(ids))[0])
+
+
+def lstm() -> Step:
+    """An LSTM tagger: its head's nn.Linear runs mm then adds its bias (a non-contiguous input)."""
+    model = LSTMTagger()
+    ids = torch.randint(0, 5000, (8, 64), generator=torch.Generator().manual_seed(0))
+    return training_step(model, lambda: nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
+
+
 PROGRAMS: dict[str, Callable[[], Step]] = {
     "gpt2": gpt2,
     "llama": llama,
@@ -235,6 +271,9 @@ PROGRAMS: dict[str, Callable[[], Step]] = {
     "convnet-bn": convnet,
     "gpt-plain": gpt_plain,
     "lm-bf16-plain": lm_bf16_plain,
+    "mixtral": mixtral,
+    "torch-encoder": torch_encoder,
+    "lstm": lstm,
 }
 
 
@@ -311,7 +350,7 @@ def main() -> None:
         f"budgets {BUDGETS} of the unplanned peak"
     )
     header = (
-        f"{'program':<11} {'budget':>10}  {'plan':<34} {'predicted':>10} {'measured':>10} {'pred-meas':>9}"
+        f"{'program':<13} {'budget':>10}  {'plan':<34} {'predicted':>10} {'measured':>10} {'pred-meas':>9}"
     )
     print(header + f" {'fits':>4} {'cost FLOP':>9} {'keeps':>9} {'numerics':>8} {'fit s':>5}")
     rows = []
@@ -321,11 +360,11 @@ def main() -> None:
             rows.append(row)
             budget = f"{format_bytes(row.budget)}"
             if row.measured is None:
-                print(f"{name:<11} {budget:>10}  {row.plan}")
+                print(f"{name:<13} {budget:>10}  {row.plan}")
                 continue
             assert row.predicted is not None and row.error is not None
             print(
-                f"{name:<11} {budget:>10}  {row.plan:<34} {format_bytes(row.predicted):>10} "
+                f"{name:<13} {budget:>10}  {row.plan:<34} {format_bytes(row.predicted):>10} "
                 f"{format_bytes(row.measured):>10} {row.error * 100:>+8.1f}% "
                 f"{'yes' if row.within else 'NO':>4} "
                 f"{row.cost:>9.2g} {row.keeps:>9} {row.numerics:>8} {row.seconds:>5.1f}"
