@@ -77,12 +77,17 @@ def _no_gc() -> Iterator[None]:
         gc.enable()
 
 
+def _six_steps_unpacked() -> memtrim.Trace:
+    with memtrim.track() as plain:
+        step = _training()  # (alive at the region's end: its modules' paths are renamed)
+        for _ in range(6):
+            step()
+    return plain
+
+
 def test_a_packed_recording_reads_back_as_recorded_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
     with _no_gc():
-        with memtrim.track() as plain:
-            step = _training()  # (alive at the region's end: its modules' paths are renamed)
-            for _ in range(6):
-                step()
+        plain = _six_steps_unpacked()
         with _sealing(monkeypatch, every=5, keep=2), profiler_memory() as truth, memtrim.track() as packed:
             step = _training()
             for _ in range(6):
@@ -103,10 +108,7 @@ def test_a_packed_recording_reads_back_as_recorded_unpacked(monkeypatch: pytest.
 
 def test_reading_while_recording_unpacks_and_recording_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     with _no_gc():
-        with memtrim.track() as plain:
-            step = _training()  # (alive at the region's end: its modules' paths are renamed)
-            for _ in range(6):
-                step()
+        plain = _six_steps_unpacked()
         with _sealing(monkeypatch, every=5, keep=2), memtrim.track() as packed:
             step = _training()
             for _ in range(3):

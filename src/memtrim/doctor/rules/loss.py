@@ -101,6 +101,11 @@ def _grads_in_backward(
     return found
 
 
+_LINEAR_LEAD = 8
+"""How many ops before its matmul ``F.linear``'s ``aten.t`` of the weight may be: it runs a ``clone``
+and a view of a non-contiguous input in between (an LSTM's output), nothing more."""
+
+
 @dataclass(frozen=True)
 class _Loss:
     """One cross-entropy on full logits, as the trace shows it."""
@@ -191,8 +196,8 @@ def _losses(analysis: Analysis) -> dict[_Key, list[_Loss]]:
         if not all(only_feeds(flow, c, own) for c in chain):
             continue  # the logits are used for something besides the loss: they must exist
         linear = any(
-            flow.names[s] == "t" and ops[s].module == chain[-1].module and weights[0].id in ops[s].inputs
-            for s in range(max(0, matmul_seq - 8), matmul_seq)
+            flow.names[i] == "t" and ops[i].module == chain[-1].module and weights[0].id in ops[i].inputs
+            for i in range(max(0, matmul_seq - _LINEAR_LEAD), matmul_seq)
         )
         loss = _Loss(
             chain, log_probs, backward, ops[nll[0]], matmul, weights[0], source, steps, scaled, cut, linear
