@@ -136,6 +136,16 @@ def qwen2_eager() -> Step:
     return training_step(model, lambda: model(input_ids=ids, labels=ids).loss)
 
 
+def qwen3_batch16() -> Step:
+    """A narrow vocabulary at batch 16: the activations of two layers set the peak, not the logits."""
+    import transformers
+
+    config = _decoder_config(transformers.Qwen3Config, head_dim=32, vocab_size=512, num_hidden_layers=2)
+    model = transformers.Qwen3ForCausalLM(config)
+    ids = torch.randint(0, 512, (16, 128), generator=torch.Generator().manual_seed(0))
+    return training_step(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+
 def t5() -> Step:
     import transformers
 
@@ -265,6 +275,7 @@ PROGRAMS: dict[str, Callable[[], Step]] = {
     "gemma2": gemma2,
     "mistral": mistral,
     "qwen2-eager": qwen2_eager,
+    "qwen3-batch16": qwen3_batch16,
     "t5": t5,
     "mlp": mlp,
     "wide-mlp": wide_mlp,

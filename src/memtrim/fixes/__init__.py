@@ -14,6 +14,9 @@
   (``"transformer.h.*"``), bit-exact, undoable.
 - :func:`optimizer_in_backward`: the optimizer's step run per parameter inside backward, each gradient
   freed as soon as it is applied (bit for bit for per-parameter optimizers), undoable.
+- :func:`micro_batches`: ``handle = micro_batches(model, 2)`` makes a transformers LM's training call with
+  ``labels`` run as 2 micro-batches (gradient accumulation: one part's activations alive at a time, the
+  same mean loss and gradients to rounding, one more forward); ``handle.remove()`` undoes it.
 - :func:`optimizer_options`: ``handle = optimizer_options(optimizer, fused=True, foreach=False)`` sets
   options on a live optimizer's groups as if it had been built with them; ``handle.remove()`` undoes it.
 """
@@ -24,6 +27,7 @@ from memtrim.fixes.cross_entropy import (
     causal_lm_cross_entropy,
     chunked_linear_cross_entropy,
 )
+from memtrim.fixes.gradient_accumulation import MicroBatchesHandle, micro_batches
 from memtrim.fixes.head_loss import ChunkedHeadLossHandle, DeferredLogits, chunked_head_loss
 from memtrim.fixes.hf_loss import ChunkedLossHandle, chunked_loss
 from memtrim.fixes.optimizer import (
@@ -38,6 +42,7 @@ __all__ = [
     "ChunkedHeadLossHandle",
     "ChunkedLossHandle",
     "DeferredLogits",
+    "MicroBatchesHandle",
     "OptimizerInBackwardHandle",
     "OptimizerOptionsHandle",
     "auto_chunk_size",
@@ -47,6 +52,7 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "chunked_loss",
     "glob_to_regex",
+    "micro_batches",
     "optimizer_in_backward",
     "optimizer_options",
 ]

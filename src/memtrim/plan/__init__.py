@@ -5,7 +5,10 @@ predicted on a recorded timeline and say what they keep in the doctor's vocabula
 (:data:`memtrim.doctor.diagnosis.Keeps`).
 """
 
-from memtrim.plan import optimizer_levers as _optimizer_levers  # noqa: F401  (registers its levers)
+# each registers its levers (micro-batches after memtrim.plan.levers' module levers, which it imports:
+# memtrim.applied offers a model to them in that order, so its wrapper wraps the forward they leave)
+from memtrim.plan import micro_batch_lever as _micro_batch_lever  # noqa: F401
+from memtrim.plan import optimizer_levers as _optimizer_levers  # noqa: F401
 from memtrim.plan.file import (
     SCHEMA,
     Numerics,

@@ -149,7 +149,9 @@ def applied(plan: Plan) -> Iterator[Plan]:
     for lever in plan.levers:
         LEVERS[lever.lever]  # an unknown lever raises, listing the known ones, before anything runs
         uses.setdefault(lever.lever, []).append(lever.params)
-    module_uses = {name: params for name, params in uses.items() if LEVERS[name].apply is not None}
+    # in the registry's order, whatever the plan's: a lever that wraps a model's forward (micro-batches,
+    # registered last) wraps the forward the others leave
+    module_uses = {name: uses[name] for name in LEVERS if name in uses and LEVERS[name].apply is not None}
     optimizer_uses = {name: p for name, p in uses.items() if LEVERS[name].apply_optimizer is not None}
     undos: list[Undo] = []
     seen: set[int] = set()

@@ -70,12 +70,28 @@ def _beyond_levers(roles: dict[str, int], budget: int) -> str:
     )
 
 
+def _if_allowed(analysis: Analysis, budget: int, allow: frozenset[Keeps]) -> str:
+    """Where levers that change training, not allowed, would fit: which, and what they change."""
+    if "changes-training" in allow:
+        return ""
+    wider = search(analysis, budget, options_of(analysis, frozenset({*allow, "changes-training"})))
+    if wider.best is None:
+        return ""
+    changing = sorted({o.lever for o in wider.best.options if o.keeps == "changes-training"})
+    levers = ", ".join(f"{o.lever} {o.target}" for o in wider.best.options)
+    return (
+        f" With --allow changes-training a plan fits: {levers}, predicted {format_bytes(wider.best.peak)}"
+        f" ({', '.join(changing)} {'changes' if len(changing) == 1 else 'change'} training: see "
+        "docs/fit.md#levers)."
+    )
+
+
 def fit_analysis(
     analysis: Analysis, budget: int, allow: frozenset[Keeps] = frozenset({"exact", "reference"})
 ) -> Fitted:
     found = search(analysis, budget, options_of(analysis, frozenset(allow)))
     if found.best is None:
-        return Fitted(None, found, _floor(analysis, found, budget))
+        return Fitted(None, found, _floor(analysis, found, budget) + _if_allowed(analysis, budget, allow))
     levers = _planned(analysis, found.best.options)
     plan = Plan(budget=budget, baseline_peak=found.baseline, predicted_peak=found.best.peak, levers=levers)
     return Fitted(plan, found, "")

@@ -46,6 +46,8 @@ class Option:
     edits: Edits = field(repr=False, compare=False)
     exclusive: str | None = None
     """Options with the same key are alternatives: a combination takes at most one of them."""
+    excludes: frozenset[str] = frozenset()
+    """Levers a combination with this option does not take (changes that would undo each other)."""
 
 
 Undo = Callable[[], None]

@@ -55,7 +55,8 @@ def _peak(analysis: Analysis, options: tuple[Option, ...]) -> int:
 
 def _compatible(options: tuple[Option, ...]) -> bool:
     keys = [o.exclusive for o in options if o.exclusive is not None]
-    return len(keys) == len(set(keys))
+    levers = {o.lever for o in options}
+    return len(keys) == len(set(keys)) and not any(o.excludes & levers for o in options)
 
 
 _KEEPS_ORDER = {"exact": 0, "reference": 1, "changes-training": 2}

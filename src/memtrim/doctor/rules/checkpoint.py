@@ -19,6 +19,7 @@ import bisect
 import functools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,12 @@ def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
     if not lengths:
         return 0
     return _registry_flops(name, batch, m, n, min(lengths))
+
+
+def matmul_flops(analysis: Analysis, seqs: Iterable[int]) -> int:
+    """FLOPs of the matmuls and convolutions among ops ``seqs`` (what running them again costs)."""
+    flow, allocations = analysis.flow, analysis.allocations
+    return sum(_matmul_flops(flow, allocations, s) for s in seqs)
 
 
 def _convolution_flops(out: tuple[int, ...], weight: tuple[int, ...]) -> int:
