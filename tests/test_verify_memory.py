@@ -14,11 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from memtrim.verify.budget import rounding_for
 from memtrim.verify.cases import Case, build_inputs
-from memtrim.verify.chunks import CHUNK_ELEMENTS
+from memtrim.verify.chunks import CHUNK_ELEMENTS, chunks
 from memtrim.verify.compare import BudgetInputs, compare_reference
 from memtrim.verify.magnitude_rules.common import plus
 from memtrim.verify.magnitudes import Tracer
-from memtrim.verify.oracle import Oracle, Upstream, run_oracle
+from memtrim.verify.oracle import AbsOf, Oracle, Upstream, run_oracle
 
 F64 = 8
 
@@ -102,8 +102,10 @@ def test_oracle_keeps_only_its_results_and_their_shadows() -> None:
         gc.enable()
     assert oracle.run.error is None and oracle.s is not None and oracle.source == "traced"
     held = _storages(_oracle_tensors(oracle))
-    # output and gradient, each with S and E: six float64 tensors the size of x
-    assert held == 6 * x.numel() * F64
+    # output and gradient, each with E: four float64 tensors the size of x; each S (a product of
+    # exact inputs and constants: |value| bit for bit) is the value's absolute value, read piece by piece
+    assert [type(t) for t in [*oracle.s.outputs, *(oracle.s.grads or [])]] == [AbsOf, AbsOf]
+    assert held == 4 * x.numel() * F64
     upstream = x.numel() * F64  # the float64 copy of the upstream gradient the oracle was given
     assert _unfreed_bytes(truth) <= held + upstream + 4096
 
@@ -171,3 +173,41 @@ def test_plus_adds_into_its_first_term_where_that_has_the_sum_shape() -> None:
     big = torch.rand(4, 6, dtype=torch.float64)
     got = plus(small, big)
     assert got is not small and torch.equal(got, small + big) and plus(0.0, 0.0) == 0.0
+
+
+def _oracle_of(fn: Any, x: torch.Tensor, dtype: torch.dtype) -> Oracle:
+    inputs = build_inputs((x,), Case(dtype, "contiguous", 0), torch.device("cpu"))
+    up = Upstream([torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1)).to(dtype)], None)
+    return run_oracle(fn, inputs, up, torch.device("cpu"), rounding_for(dtype), c=10.0)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t: torch.softmax(t, -1),
+        lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]),
+        lambda t: (t * 2).exp() * 3,
+        lambda t: t @ t.T,
+        lambda t: (t - t.mean(-1, keepdim=True)).tanh(),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_s_kept_as_the_values_absolute_value_is_the_tracers_s_bit_for_bit(
+    fn: Any, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same oracle made twice, the second time keeping every S the tracer computed as a tensor: an
+    # S read from AbsOf has the same bits as the tracer's own, piece by piece and as a whole.
+    x = torch.randn(3 * CHUNK_ELEMENTS // 512, 512, generator=torch.Generator().manual_seed(0))
+    lazy = _oracle_of(fn, x, dtype)
+    monkeypatch.setattr("memtrim.verify.oracle.abs_of_value", lambda s, value: s)
+    kept = _oracle_of(fn, x, dtype)
+    assert lazy.s is not None and kept.s is not None
+    pairs = [
+        *zip(lazy.s.outputs, kept.s.outputs, strict=True),
+        *zip(lazy.s.grads or [], kept.s.grads or [], strict=True),
+    ]
+    for a, b in pairs:
+        assert isinstance(b, torch.Tensor)
+        if isinstance(a, AbsOf):
+            a = torch.cat([a[index].reshape(-1) for _, index in chunks(a.shape)]).view(b.shape)
+        assert torch.equal(a.view(torch.int64), b.contiguous().view(torch.int64))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from memtrim.verify.budget import (
 from memtrim.verify.chunks import Index, chunks
 from memtrim.verify.results import Quantity, QuantityKind
 from memtrim.verify.run import same_bits
+
+if TYPE_CHECKING:
+    from memtrim.verify.oracle import Magnitude
 
 MAX_SHOWN = 5
 
@@ -114,11 +117,12 @@ def _update_hint(name: str) -> str:
 @dataclass
 class BudgetInputs:
     """What the reference-mode judgement needs besides the candidate: the original, the oracle, and
-    the oracle's magnitude S and error bound E (None where the budget could not be derived)."""
+    the oracle's magnitude S and error bound E (None where the budget could not be derived). S may be an
+    :class:`~memtrim.verify.oracle.AbsOf` the oracle (read piece by piece, ``s[index]``)."""
 
     orig: torch.Tensor
     oracle: torch.Tensor
-    s: torch.Tensor | None
+    s: Magnitude | None
     e: torch.Tensor | None
     source: str
     case_dtype: torch.dtype | None

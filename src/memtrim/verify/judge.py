@@ -32,7 +32,15 @@ from memtrim.verify.compare import (
     row_extreme_hint,
 )
 from memtrim.verify.config import Settings
-from memtrim.verify.oracle import Oracle, OracleCache, Upstream, oracle_key, run_oracle
+from memtrim.verify.oracle import (
+    AbsOf,
+    Magnitude,
+    Oracle,
+    OracleCache,
+    Upstream,
+    oracle_key,
+    run_oracle,
+)
 from memtrim.verify.results import CaseResult, Failure, FailureKind, QuantityKind, RunResult
 from memtrim.verify.run import measure, run_callable
 
@@ -386,7 +394,7 @@ def _judge_reference(
                 f"{tuple(o.shape)}: the reference behaves differently in float64",
             )
             continue
-        s = _get(oracle.s, field_, idx, o) if oracle.s is not None else None
+        s = _magnitude(oracle.s, field_, idx, o) if oracle.s is not None else None
         e = _get(oracle.e, field_, idx, o) if oracle.e is not None else None
         b = BudgetInputs(o, ora, s, e, oracle.source or "", case.dtype, case.autocast)
         q = compare_reference(name, kind, c, b, layout=case.layout)
@@ -441,6 +449,13 @@ def _get(r: RunResult | None, field_: str, idx: int, like: torch.Tensor) -> torc
     if t is None:  # unused input: exactly zero
         return torch.zeros(like.shape, dtype=torch.float64, device=like.device)
     return t.detach()
+
+
+def _magnitude(r: RunResult, field_: str, idx: int, like: torch.Tensor) -> Magnitude:
+    """The oracle's S of a compared tensor: a tensor, or :class:`AbsOf` the oracle's value."""
+    seq = getattr(r, field_)
+    t = seq[idx] if seq is not None and idx < len(seq) else None
+    return t if isinstance(t, AbsOf) else _get(r, field_, idx, like)
 
 
 def _measure(

@@ -21,9 +21,10 @@ import torch
 from memtrim.verify import magnitude_rules  # noqa: F401  (registers the rules)
 from memtrim.verify.budget import Rounding, reorder_factor
 from memtrim.verify.cases import Case, CaseInputs, expanded_values, upstream_like
+from memtrim.verify.chunks import Index, chunks
 from memtrim.verify.magnitudes import Tracer
 from memtrim.verify.results import RunResult
-from memtrim.verify.run import run_callable
+from memtrim.verify.run import bits, run_callable
 
 Tensors = list[torch.Tensor | None]
 Source = Literal["traced", "supplied"]
@@ -97,14 +98,58 @@ def _leaves(inputs: CaseInputs, device: torch.device) -> list[Any]:
     return inputs.materialize(dtype=torch.float64, device=device)[0]
 
 
-def _shadow_runs(tracer: Tracer, run: RunResult) -> tuple[RunResult, RunResult]:
+class AbsOf:
+    """The magnitude S of a result whose S is ``|value|`` bit for bit (a result of a subtraction, of an
+    elementwise function, ...): the value's absolute value, taken piece by piece where it is read
+    (``s[index]``), instead of a float64 tensor the size of the result kept next to it."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.value.shape
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        return self.value[index].abs()
+
+    def detach(self) -> AbsOf:
+        return self
+
+    def materialize(self) -> torch.Tensor:
+        """S as a tensor (for tests and callers that want one)."""
+        return self.value.abs()
+
+
+Magnitude = torch.Tensor | AbsOf
+
+
+def abs_of_value(s: torch.Tensor, value: torch.Tensor) -> Magnitude:
+    """``AbsOf(value)`` where ``s`` holds the bits of ``|value|`` at every element (compared piece by
+    piece, so no temporary is case-sized), else ``s``."""
+    if s.shape != value.shape or value.dtype != torch.float64 or s.dtype != torch.float64:
+        return s
+    for _, index in chunks(s.shape):
+        if not torch.equal(bits(s[index]), bits(value[index].abs())):
+            return s
+    return AbsOf(value)
+
+
+def _shadow_runs(tracer: Tracer, run: RunResult, *, lazy_abs: bool = False) -> tuple[RunResult, RunResult]:
     """S and E of every tensor in ``run``, laid out as ``run`` is; then the tracer drops every other
-    shadow (those of the reference's intermediates), so only the results' stay alive."""
+    shadow (those of the reference's intermediates), so only the results' stay alive.
+
+    ``lazy_abs`` (``run`` is the oracle's own run, kept with it): an S that is ``|value|`` bit for bit
+    is kept as :class:`AbsOf` the value, and its tensor dropped."""
 
     def finals(ts: list[Any] | None) -> list[Any] | None:
         if ts is None:
             return None
-        return [tracer.final(t, copy=False) if isinstance(t, torch.Tensor) else (t, t) for t in ts]
+        return [_final(t) if isinstance(t, torch.Tensor) else (t, t) for t in ts]
+
+    def _final(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        s, e = tracer.final(t, copy=False)
+        return (abs_of_value(s, t) if lazy_abs else s), e
 
     outs, grads, grads2, updates = (finals(x) for x in (run.outputs, run.grads, run.grads2, run.updates))
     tracer.clear()
@@ -158,7 +203,7 @@ def run_oracle(
         oracle.layout_specific = True  # the trace stopped: whether it draws random numbers is unknown
         oracle.run = _call(reference, inputs, _leaves(inputs, device), up64)
     elif run.error is None:
-        oracle.s, oracle.e = _shadow_runs(tracer, run)
+        oracle.s, oracle.e = _shadow_runs(tracer, run, lazy_abs=True)
         oracle.source = "traced"
     if oracle.run.error is not None or abs_reference is None:
         return oracle
@@ -289,4 +334,4 @@ class OracleCache:
         return len(self._held)
 
 
-__all__ = ["Oracle", "OracleCache", "Upstream", "oracle_key", "run_oracle"]
+__all__ = ["AbsOf", "Oracle", "OracleCache", "Upstream", "oracle_key", "run_oracle"]
