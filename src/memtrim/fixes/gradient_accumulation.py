@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from memtrim.fixes.cross_entropy import is_fake
+from memtrim.fixes.hf_loss import ChunkedLossHandle
 
 IGNORE_INDEX = -100
 """The label transformers' losses skip (their ``ignore_index``): not counted in the mean."""
@@ -43,19 +44,11 @@ _NOT_SPLIT = frozenset({"cache_position", "num_items_in_batch", "logits_to_keep"
 
 
 @dataclass
-class MicroBatchesHandle:
-    """What :func:`micro_batches` returns: ``remove()`` restores the model's own forward."""
+class MicroBatchesHandle(ChunkedLossHandle):
+    """What :func:`micro_batches` returns: ``remove()`` restores the forward it wrapped (the same
+    instance-forward patch as :func:`~memtrim.fixes.hf_loss.chunked_loss`'s)."""
 
-    model: nn.Module
-    count: int
-    had_instance_forward: bool
-    previous: Any
-
-    def remove(self) -> None:
-        if self.had_instance_forward:
-            self.model.forward = self.previous
-        elif "forward" in self.model.__dict__:
-            del self.model.forward
+    count: int = 0
 
 
 def shifted_labels(model: nn.Module) -> bool:
@@ -244,7 +237,7 @@ def micro_batches(model: nn.Module, count: int) -> MicroBatchesHandle:
         return type(output)(loss=loss)
 
     model.forward = forward
-    return MicroBatchesHandle(model, count, had_instance_forward, original)
+    return MicroBatchesHandle(model, had_instance_forward, original, count)
 
 
 _SKIP: Any = object()
