@@ -200,8 +200,8 @@ def micro_batches(model: nn.Module, count: int) -> MicroBatchesHandle:
             try:
                 # under the autocast the loss's pass ran in (backward usually runs outside it)
                 with contextlib.ExitStack() as stack:
-                    for kwargs in autocast:
-                        stack.enter_context(torch.autocast(**kwargs))
+                    for settings in autocast:
+                        stack.enter_context(torch.autocast(**settings))
                     return torch.func.functional_call(model, {**params, **buffers}, (), call).loss
             finally:
                 recomputing[0] = False
