@@ -160,3 +160,51 @@ def test_importing_memtrim_imports_no_framework_it_integrates_with() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_reading_saved_traces_imports_no_torch(tmp_path: Path) -> None:
+    # `memtrim show/export/diff` on a saved trace need no tensor: torch's import (about a second) is
+    # paid only by the commands and names that record, apply or verify
+    import subprocess
+    import sys
+
+    import torch
+
+    class Stack(torch.nn.Module):  # repeated blocks: the doctor weighs checkpointing them in FLOPs
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack()
+    with memtrim.track() as trace:
+        model(torch.ones(32, 64)).sum().backward()
+    from memtrim.doctor.rules.checkpoint import block_recomputes
+
+    blocks = block_recomputes(trace.analysis)["Stack.layers"]
+    assert [block.flops for block in blocks] == [2 * (2 * 32 * 64 * 256)] * 3  # two matmuls each
+    saved = tmp_path / "step.json"
+    trace.save(str(saved))
+    commands = [
+        ["show", str(saved), "--html", str(tmp_path / "step.html")],
+        ["export", str(saved), "--perfetto", str(tmp_path / "step.pftrace")],
+        ["export", str(saved), "--memory-viz", str(tmp_path / "step.pickle")],
+        ["diff", str(saved), str(saved)],
+    ]
+    code = (
+        "import sys, memtrim, memtrim.cli\n"
+        f"for argv in {commands!r}:\n"
+        "    assert memtrim.cli.main(argv) == 0, argv\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "torch imported: False"
+    assert (tmp_path / "step.html").stat().st_size > 0
+    assert (tmp_path / "step.pftrace").stat().st_size > 0

@@ -7,17 +7,46 @@ The rewrite checks live in subpackages, imported by name: ``from memtrim.verify 
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from memtrim.analysis import Analysis, Category, LineGroup, Peak, analyze
 from memtrim.api import Diff, RanksDiff, Trace, diff, diff_ranks, fit, load, track
-from memtrim.capture.distributed import fake_world
-from memtrim.capture.regions import region
 from memtrim.doctor import Diagnosis
-from memtrim.plan import Plan, load_plan
-from memtrim.plan.apply import applied
-from memtrim.plan.fit import NoPlanFits
 from memtrim.trace import Allocation, OpCall, Phase, Site, TraceFormatError, TraceLog
 
+if TYPE_CHECKING:
+    from memtrim.capture.distributed import fake_world
+    from memtrim.capture.regions import region
+    from memtrim.plan import Plan, load_plan
+    from memtrim.plan.apply import applied
+    from memtrim.plan.fit import NoPlanFits
+
+# Names whose modules import torch, loaded on first use: ``import memtrim`` (and so ``memtrim export``,
+# ``diff`` and ``view`` on saved traces) then costs no ``import torch``, about a second of each run.
+_LAZY = {
+    "fake_world": "memtrim.capture.distributed",
+    "region": "memtrim.capture.regions",
+    "Plan": "memtrim.plan",
+    "load_plan": "memtrim.plan",
+    "applied": "memtrim.plan.apply",
+    "NoPlanFits": "memtrim.plan.fit",
+}
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memtrim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython: object) -> None:

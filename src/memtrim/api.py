@@ -11,16 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtrim.analysis import Analysis, LineGroup, Peak, analyze
 from memtrim.analysis.diff import LineChange, TraceDiff
 from memtrim.analysis.diff import diff as diff_analyses
 from memtrim.analysis.rankdiff import RankSetDiff, diff_rank_sets
-from memtrim.capture.api import record
-from memtrim.capture.source import remember_source_lines
 from memtrim.doctor import Diagnosis, diagnoses
-from memtrim.plan.file import Plan
 from memtrim.report import json as report_json
 from memtrim.report import rankdiff as report_rankdiff
 from memtrim.report.diff import render_html as render_diff_html
@@ -32,6 +29,9 @@ from memtrim.trace import serialize, stream
 from memtrim.trace.collector import collector_paused
 from memtrim.trace.model import Allocation, OpCall, OpLog, TraceLog
 from memtrim.trace.ranks import rank_files
+
+if TYPE_CHECKING:
+    from memtrim.plan.file import Plan
 
 
 class Trace:
@@ -174,6 +174,8 @@ class Trace:
 
 
 def _remember_all(logs: list[TraceLog]) -> None:
+    from memtrim.capture.source import remember_source_lines
+
     for log in logs:
         remember_source_lines(log)
 
@@ -200,6 +202,9 @@ def track(*, fake: bool = False, steps: range | None = None) -> Iterator[Trace]:
     >>> trace.peak_bytes
     4096
     """
+    # torch is imported here, not with memtrim: reading, exporting and diffing saved traces need none
+    from memtrim.capture.api import record
+
     with contextlib.ExitStack() as stack:
         # runs after the recorder has finished: the text of the lines the trace names, for the views
         # and for diffs against a later version of the file

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from memtrim.analysis.categories import Category, categorize
+from memtrim.analysis.categories import Category, categorize_all
 from memtrim.analysis.failure import requested_bytes
 from memtrim.analysis.flow import Flow, build_flow
-from memtrim.analysis.roles import Role, role_of
+from memtrim.analysis.roles import Role, roles_of
 from memtrim.analysis.timeline import LiveCurve, Peak, alive_at, headline, peak_of, peaks_by_phase, sweep
 from memtrim.analysis.whatif import Edits, replay
 from memtrim.trace.collector import collector_paused
@@ -340,8 +340,8 @@ def analyze(log: TraceLog) -> Analysis:
 
 def _analyze(log: TraceLog) -> Analysis:
     allocations = log.allocations
-    categories = tuple(categorize(a) for a in allocations)
-    roles = tuple(role_of(a, c) for a, c in zip(allocations, categories, strict=True))
+    categories = categorize_all(allocations)
+    roles = roles_of(allocations, categories)
     devices = sorted({a.device for a in allocations})
     curves = {device: sweep(allocations, device) for device in devices}
     peaks = {device: peak_of(curve, allocations, log.ops) for device, curve in curves.items()}

@@ -206,5 +206,12 @@ def build_flow(log: TraceLog) -> Flow:
         producer=producer,
         outputs=Ragged(out_flat, out_start),
         readers=readers,
-        names=[base_name(row.op) for row in ops],
+        names=_base_names_of(ops),
     )
+
+
+def _base_names_of(ops: Sequence[OpRow]) -> list[str]:
+    # a long trace repeats a few hundred op names: each is cut once
+    full = [row.op for row in ops]
+    cut = {op: base_name(op) for op in set(full)}
+    return list(map(cut.__getitem__, full))

@@ -8,7 +8,7 @@ activations and temporaries?"); categories (:mod:`memtrim.analysis.categories`) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 from memtrim.analysis.categories import Category
@@ -125,3 +125,24 @@ def role_of(a: Allocation, category: Category) -> Role:
         if found is not None:
             return found
     return Role.OTHER
+
+
+# What the built-in rules read (facts, the category, the phase, whether it existed before the region
+# and whether it is alive at the end): while only they are registered, allocations alike in these get
+# one answer, computed once (as :func:`~memtrim.analysis.categories.categorize_all`).
+_BUILT_IN = frozenset(ROLE_RULES.values())
+
+
+def roles_of(allocations: Sequence[Allocation], categories: Sequence[Category]) -> tuple[Role, ...]:
+    """:func:`role_of` of each allocation with its category, in order."""
+    if not set(ROLE_RULES.values()) <= _BUILT_IN:
+        return tuple(map(role_of, allocations, categories))
+    known: dict[tuple[object, ...], Role] = {}
+    found = []
+    for a, category in zip(allocations, categories, strict=True):
+        key = (a.facts, category, a.phase, a.preexisting, a.free_tick is None)
+        role = known.get(key)
+        if role is None:
+            role = known[key] = role_of(a, category)
+        found.append(role)
+    return tuple(found)

@@ -87,9 +87,10 @@ def _broadcast_products(analysis: Analysis) -> dict[Site | None, list[tuple[Allo
     """(product, reduced result, reduction op) by line, for every product the trace shows reduced."""
     flow, allocations = analysis.flow, analysis.allocations
     found: dict[Site | None, list[tuple[Allocation, Allocation, int]]] = {}
-    for seq, row in enumerate(flow.ops):
-        made = flow.outputs[seq]
-        if len(made) != 1 or flow.names[seq] != "mul" or len(row.inputs) < 2:
+    muls = [seq for seq, name in enumerate(flow.names) if name == "mul"]  # a few of a long trace's ops
+    for seq in muls:
+        row, made = flow.ops[seq], flow.outputs[seq]
+        if len(made) != 1 or len(row.inputs) < 2:
             continue
         product = allocations[made[0]]
         if product.saved or not is_float(product):
