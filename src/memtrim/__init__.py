@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from memtrim.plan.apply import applied
     from memtrim.plan.fit import NoPlanFits
 
-# Names whose modules import torch, loaded on first use: ``import memtrim`` (and so ``memtrim export``,
-# ``diff`` and ``view`` on saved traces) then costs no ``import torch``, about a second of each run.
+# Names whose modules import torch, loaded on first use: ``import memtrim`` (and so ``memtrim show``,
+# ``export`` and ``diff`` on saved traces) then costs no ``import torch``, about a second of each run.
 _LAZY = {
     "fake_world": "memtrim.capture.distributed",
     "region": "memtrim.capture.regions",
