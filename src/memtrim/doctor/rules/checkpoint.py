@@ -147,16 +147,16 @@ def _groups(flow: Flow) -> dict[str, dict[str, _Block]]:
 
 
 _FLOP_OPS = frozenset({"convolution", "mm", "addmm", "bmm", "baddbmm"})
+"""The ops ``_matmul_flops`` counts: ``matmul_flops`` asks it about these alone (a block's run is
+mostly other ops)."""
 
 
 def _matmul_flops(flow: Flow, allocations: list[Allocation], seq: int) -> int:
     """FLOPs of a matmul-family op (torch.utils.flop_counter's formulas), from its recorded output
     shape and its operands' storage sizes: the contraction length is the smallest one the operands
     allow (a slice's storage is larger than the slice)."""
-    name = flow.names[seq]
-    if name not in _FLOP_OPS:
-        return 0
     row = flow.ops[seq]
+    name = flow.names[seq]
     outs = flow.outputs[seq]
     if name == "convolution" and len(outs) == 1 and len(row.inputs) >= 2:
         return _convolution_flops(allocations[outs[0]].shape, allocations[row.inputs[1]].shape)
